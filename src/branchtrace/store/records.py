@@ -1,0 +1,178 @@
+"""Turn raw ring words into parsed records, with numpy doing the work.
+
+Record boundaries are found without a Python loop: every word with bit 63 set is an
+escape header (payload words never have it), so headers, their payload spans and the
+one-word BLOCK records fall out of a few vectorised passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CorruptStoreError
+from .format import (
+    ARG_MASK,
+    BLOCK_ADDR_BITS,
+    BLOCK_ADDR_MASK,
+    BLOCK_OFF_MASK,
+    LEN_MASK,
+    LEN_SHIFT,
+    MAX_RING_PAYLOAD,
+    META_FIXED_WORDS,
+    RECORD_DTYPE,
+    RING_TYPES,
+    TYPE_MASK,
+    TYPE_SHIFT,
+    WORD,
+    RecordType,
+    unpayload,
+)
+
+_U64 = np.uint64
+_ADDRESS_A = np.array(
+    [t in (RecordType.BRANCH, RecordType.BLOCK_FAR) for t in range(128)], dtype=bool
+)
+_ADDRESS_B = np.array(
+    [t in (RecordType.BRANCH, RecordType.SWITCH_OUT, RecordType.SWITCH_IN,
+           RecordType.PROBE_HIT) for t in range(128)],
+    dtype=bool,
+)
+_VALID_ESCAPE = np.array(
+    [t in RING_TYPES and t != RecordType.BLOCK for t in range(128)], dtype=bool
+)
+
+
+def _fill_blocks(out: np.ndarray, words: np.ndarray) -> None:
+    start = words & _U64(BLOCK_ADDR_MASK)
+    off = words >> _U64(BLOCK_ADDR_BITS)
+    out["type"] = RecordType.BLOCK
+    out["arg"] = off
+    out["a"] = start
+    out["b"] = start + off
+
+
+def parse_words(words: np.ndarray, start_pos: int = 0, *, where: str = "ring") -> np.ndarray:
+    """Parse whole records from `words` (which must start on a record boundary).
+
+    Returns an array of RECORD_DTYPE, oldest first, PAD records removed.  `start_pos` is
+    the stream position (bytes) of words[0].  BLOCK_FAR records come back as BLOCK.
+    Raises CorruptStoreError (naming `where`) on a zero word, an unknown type, a header
+    inside another record's payload, or a record cut off at the end.
+    """
+    w = np.ascontiguousarray(words, dtype=_U64)
+    n = w.size
+    escape = (w >> _U64(63)).astype(bool)
+    hidx = np.flatnonzero(escape)
+    hw = w[hidx]
+    htype = ((hw >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)).astype(np.uint8)
+    hlen = ((hw >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).astype(np.int64)
+    ends = hidx + 1 + hlen
+    if hidx.size:
+        bad = ~_VALID_ESCAPE[htype] | (hlen > MAX_RING_PAYLOAD)
+        if bad.any():
+            i = int(hidx[np.argmax(bad)])
+            raise CorruptStoreError(
+                f"{where}: bad record header {int(w[i]):#018x} at position "
+                f"{start_pos + i * WORD}"
+            )
+        if ends[-1] > n:
+            raise CorruptStoreError(
+                f"{where}: record at position {start_pos + int(hidx[-1]) * WORD} is cut off"
+            )
+        if hidx.size > 1 and (hidx[1:] < ends[:-1]).any():
+            i = int(hidx[1:][np.argmax(hidx[1:] < ends[:-1])])
+            raise CorruptStoreError(
+                f"{where}: record header inside a payload at position {start_pos + i * WORD}"
+            )
+    with_payload = hlen > 0
+    mark = np.zeros(n + 1, dtype=np.int8)
+    mark[hidx[with_payload] + 1] = 1
+    mark[ends[with_payload]] = -1
+    in_payload = np.cumsum(mark[:n], dtype=np.int64) > 0
+    is_block = ~escape & ~in_payload
+    if (w[is_block] == 0).any():
+        i = int(np.flatnonzero(is_block & (w == 0))[0])
+        raise CorruptStoreError(f"{where}: empty word at position {start_pos + i * WORD}")
+
+    pad = escape & (((w >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)) == RecordType.PAD)
+    rec_idx = np.flatnonzero(is_block | (escape & ~pad))
+    out = np.empty(rec_idx.size, dtype=RECORD_DTYPE)
+    out["pos"] = rec_idx.astype(_U64) * _U64(WORD) + _U64(start_pos)
+    head = w[rec_idx]
+    if hidx.size == 0:  # the common case: nothing but BLOCK words
+        _fill_blocks(out, head)
+        return out
+    is_esc = (head >> _U64(63)).astype(bool)
+    padded = np.concatenate([w, np.zeros(2, dtype=_U64)])
+    t = np.where(is_esc, (head >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK), _U64(RecordType.BLOCK))
+    t = t.astype(np.uint8)
+    ln = (head >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)
+    p0 = np.where(is_esc & (ln >= 1), padded[rec_idx + 1], _U64(0))
+    p1 = np.where(is_esc & (ln >= 2), padded[rec_idx + 2], _U64(0))
+    p0 = np.where(_ADDRESS_A[t], unpayload(p0), p0)
+    p1 = np.where(_ADDRESS_B[t], unpayload(p1), p1)
+    start = head & _U64(BLOCK_ADDR_MASK)
+    off = (head >> _U64(BLOCK_ADDR_BITS)) & _U64(BLOCK_OFF_MASK)
+    arg = np.where(is_esc, head & _U64(ARG_MASK), off)
+    far = t == RecordType.BLOCK_FAR
+    a = np.where(is_esc, p0, start)
+    out["type"] = np.where(far, np.uint8(RecordType.BLOCK), t)
+    out["arg"] = arg
+    out["a"] = a
+    out["b"] = np.where(is_esc & ~far, p1, a + arg)
+    return out
+
+
+@dataclass(frozen=True)
+class MetaEntry:
+    """One metadata-log entry: a module load, a thread name...
+
+    `pos` is the ring stream position when it was written: records before `pos` were
+    written before the event.  `fixed` holds the type's fixed fields (see
+    format.META_FIXED_WORDS); `data` its variable bytes.
+    """
+
+    type: RecordType
+    pos: int
+    time_ns: int
+    fixed: tuple[int, ...]
+    data: bytes
+
+    @property
+    def path(self) -> str:
+        """The path of a MODULE_LOAD or PROCESS entry."""
+        raw = self.data[1 + self.data[0] :] if self.type == RecordType.MODULE_LOAD else self.data
+        return raw.decode("utf-8", "surrogateescape")
+
+    @property
+    def build_id(self) -> bytes:
+        """The GNU build-id of a MODULE_LOAD entry (empty if the module had none)."""
+        return self.data[1 : 1 + self.data[0]] if self.data else b""
+
+
+def parse_meta(buf: bytes | memoryview, where: str = "metadata") -> list[MetaEntry]:
+    """Parse the metadata log; entries are rare, so a plain loop is right here."""
+    entries: list[MetaEntry] = []
+    mv = memoryview(buf)
+    off = 0
+    while off < len(mv):
+        if len(mv) - off < 3 * WORD:
+            raise CorruptStoreError(f"{where}: entry cut off at offset {off}")
+        head, pos, time_ns = np.frombuffer(mv[off : off + 3 * WORD], dtype="<u8").tolist()
+        rtype = (head >> TYPE_SHIFT) & TYPE_MASK
+        nwords = (head >> LEN_SHIFT) & LEN_MASK
+        nbytes = head & ARG_MASK
+        if not head >> 63 or rtype not in META_FIXED_WORDS:
+            raise CorruptStoreError(f"{where}: bad entry header {head:#018x} at offset {off}")
+        kind = RecordType(rtype)
+        nfixed = META_FIXED_WORDS[kind]
+        end = off + (1 + nwords) * WORD
+        data_off = off + (3 + nfixed) * WORD
+        if end > len(mv) or data_off + nbytes > end:
+            raise CorruptStoreError(f"{where}: entry at offset {off} is cut off")
+        fixed = tuple(np.frombuffer(mv[off + 3 * WORD : data_off], dtype="<u8").tolist())
+        entries.append(MetaEntry(kind, pos, time_ns, fixed, bytes(mv[data_off : data_off + nbytes])))
+        off = end
+    return entries

@@ -1,0 +1,682 @@
+"""The shared ring: a store file mapped by one writer and any number of readers.
+
+Concurrency model (see docs/format.md for the full contract):
+
+* One writer per ring, enforced by an open-file-description lock on byte 0 of the file
+  (released by the kernel when the writer dies, however it dies).  The writer's pid is in
+  the header so a second writer is told who owns the ring.
+* The writer claims the data area one chunk at a time.  No record straddles a chunk
+  boundary (the writer pads with PAD words), so every chunk boundary is a record boundary.
+  Before writing into a chunk the writer zeroes it; in wrap mode it first moves data_tail
+  past the old records the chunk held.  A late reader therefore always starts at an
+  intact record, and a record that was being written when the writer died has a zero
+  header (the header word is written last) and is never returned.
+* data_head is published after every record by the Python and C writers; an inline
+  writer may publish it less often, and a reader of a dead writer recovers the records
+  past data_head in the claimed chunk by scanning to the first zero word.
+* stream: at a chunk boundary the writer waits until the consumer has freed a whole chunk
+  (futex on `tail_seq`; the consumer gets a futex wake on `head_seq` and, if configured,
+  a signal).  drop: the writer never waits; records it cannot place are counted in
+  `lost_records` and announced by a LOST record once space returns.
+* A consuming reader (one that writes data_tail) holds an OFD lock on byte 1; wrap mode
+  refuses it, because there the writer owns data_tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import (
+    BusyError,
+    CorruptStoreError,
+    InvalidArgumentError,
+    ModeConflictError,
+    NoMemoryError,
+    StoreError,
+)
+from .format import (
+    DEFAULT_META_SIZE,
+    HEADER_DTYPE,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_CHUNK_SIZE,
+    MAX_RING_PAYLOAD,
+    MIN_DATA_SIZE,
+    VERSION,
+    WORD,
+    Flags,
+    Mode,
+    RecordType,
+    WriterState,
+    meta_entry,
+    record_words,
+)
+from .records import MetaEntry, parse_meta, parse_words
+
+_WRITER_LOCK_BYTE = 0
+_CONSUMER_LOCK_BYTE = 1
+_PAD_WORD = np.uint64(1 << 63)
+_U64 = np.uint64
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_FUTEX = 202
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(addr: int, expected: int, timeout_s: float) -> None:
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
+                  ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+
+def _ofd_lock(fd: int, byte: int, *, query: bool = False) -> int:
+    """Take (or with `query`, test) an OFD write lock on one byte.
+
+    Returns 0 on success, or -1 if someone else holds it.  OFD locks belong to the open
+    file description, so they conflict even within one process and die with their owner.
+    """
+    lk = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+    cmd = fcntl.F_OFD_GETLK if query else fcntl.F_OFD_SETLK
+    try:
+        res = fcntl.fcntl(fd, cmd, lk)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return -1
+        raise
+    if query:
+        return 0 if struct.unpack("hhqqi4x", res)[0] == fcntl.F_UNLCK else -1
+    return 0
+
+
+def _ofd_unlock(fd: int, byte: int) -> None:
+    lk = struct.pack("hhqqi4x", fcntl.F_UNLCK, os.SEEK_SET, byte, 1, 0)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lk)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def default_chunk_size(data_size: int) -> int:
+    """An eighth of the ring, at most 64 KiB: wrap mode keeps at least 7/8 of the ring."""
+    return min(MAX_CHUNK_SIZE, data_size // 8)
+
+
+class Ring:
+    """A mapped store file.  Use :class:`RingWriter` / :class:`RingReader` to use it."""
+
+    def __init__(self, path: str | os.PathLike[str], fd: int, mm: mmap.mmap) -> None:
+        self.path = Path(path)
+        self.fd = fd
+        self._mm = mm
+        self._hdr = np.frombuffer(mm, HEADER_DTYPE, count=1)
+        h = self._hdr[0]
+        self.data_size = int(h["data_size"])
+        self.chunk_size = int(h["chunk_size"])
+        self.meta_size = int(h["meta_size"])
+        self._data = np.frombuffer(mm, _U64, count=self.data_size // WORD, offset=HEADER_SIZE)
+        self._meta = np.frombuffer(
+            mm, np.uint8, count=self.meta_size, offset=HEADER_SIZE + self.data_size
+        )
+        self._base_addr = self._hdr.ctypes.data
+
+    # -- creation and opening ------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        data_size: int,
+        mode: Mode = Mode.WRAP,
+        flags: Flags = Flags.TRACE,
+        *,
+        meta_size: int = DEFAULT_META_SIZE,
+        chunk_size: int | None = None,
+        tid: int = 0,
+        notify_signal: int = 0,
+        populate: bool = False,
+    ) -> Ring:
+        """Create a new store file (replacing any old one at `path`).
+
+        `data_size` is in bytes, a power of two >= 4096.  The file's blocks are allocated
+        up front, so a full /dev/shm fails here with NoMemoryError instead of killing the
+        writer with SIGBUS later.
+        """
+        if not is_power_of_two(data_size) or data_size < MIN_DATA_SIZE:
+            raise InvalidArgumentError(
+                f"ring size {data_size} must be a power of two of at least {MIN_DATA_SIZE} bytes"
+            )
+        chunk = chunk_size or default_chunk_size(data_size)
+        if not is_power_of_two(chunk) or chunk > data_size or chunk < (MAX_RING_PAYLOAD + 2) * WORD:
+            raise InvalidArgumentError(f"chunk size {chunk} does not fit ring size {data_size}")
+        meta_size = -(-meta_size // WORD) * WORD
+        total = HEADER_SIZE + data_size + meta_size
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise StoreError(f"cannot create {path}: {e.strerror}") from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                    raise NoMemoryError(
+                        f"no room for a {total}-byte store at {path}: {e.strerror}",
+                        hint="use a smaller --buffer-size or free space in /dev/shm",
+                    ) from None
+                raise StoreError(f"cannot allocate {path}: {e.strerror}") from None
+            hdr = np.zeros(1, HEADER_DTYPE)
+            h = hdr[0]
+            h["magic"] = MAGIC
+            h["version"] = VERSION
+            h["header_size"] = HEADER_SIZE
+            h["data_offset"] = HEADER_SIZE
+            h["data_size"] = data_size
+            h["chunk_size"] = chunk
+            h["meta_offset"] = HEADER_SIZE + data_size
+            h["meta_size"] = meta_size
+            h["mode"] = mode
+            h["flags"] = flags
+            h["tid"] = tid
+            h["notify_signal"] = notify_signal
+            h["created_ns"] = time.time_ns()
+            os.pwrite(fd, hdr.tobytes(), 0)
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return cls._map(path, fd, total, writable=True, populate=populate)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, writable: bool = False) -> Ring:
+        """Open an existing store; a file that is not one raises CorruptStoreError."""
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError:
+            raise StoreError(f"{path}: no such store") from None
+        except OSError as e:
+            raise StoreError(f"cannot open {path}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, HEADER_SIZE, 0)
+            total = _validate_header(path, head, size)
+            return cls._map(path, fd, total, writable=writable)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def _map(cls, path: Path, fd: int, total: int, *, writable: bool, populate: bool = False) -> Ring:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        try:
+            mm = mmap.mmap(fd, total, flags=flags, prot=prot)
+        except OSError as e:
+            os.close(fd)
+            raise NoMemoryError(f"cannot map {path}: {e.strerror}") from None
+        return cls(path, fd, mm)
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        del self._hdr, self._data, self._meta
+        # Views handed out earlier (records being read, a writer's data) keep the mapping
+        # alive; it is unmapped when the last of them goes.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> Ring:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- header access ---------------------------------------------------------------------
+
+    def _get(self, field: str) -> int:
+        return int(self._hdr[field][0])
+
+    def _set(self, field: str, value: int) -> None:
+        self._hdr[field] = value
+
+    def _addr(self, field: str) -> int:
+        fields = HEADER_DTYPE.fields
+        assert fields is not None
+        return self._base_addr + fields[field][1]
+
+    @property
+    def mode(self) -> Mode:
+        return Mode(self._get("mode"))
+
+    @property
+    def flags(self) -> Flags:
+        return Flags(self._get("flags"))
+
+    @property
+    def head(self) -> int:
+        return self._get("data_head")
+
+    @property
+    def tail(self) -> int:
+        return self._get("data_tail")
+
+    @property
+    def lost_records(self) -> int:
+        return self._get("lost_records")
+
+    @property
+    def writer_pid(self) -> int:
+        return self._get("writer_pid")
+
+    @property
+    def writer_state(self) -> WriterState:
+        return WriterState(self._get("writer_state"))
+
+    @property
+    def tid(self) -> int:
+        return self._get("tid")
+
+    def header(self) -> dict[str, int | bytes]:
+        """All header fields, for `branchtrace info` and debugging."""
+        h = self._hdr[0]
+        return {name: (h[name].item()) for name in HEADER_DTYPE.names or ()}
+
+    def writer_alive(self) -> bool:
+        """True while some process holds the writer lock."""
+        return _ofd_lock(self.fd, _WRITER_LOCK_BYTE, query=True) != 0
+
+
+def _validate_header(path: Path, raw: bytes, file_size: int) -> int:
+    def bad(why: str) -> CorruptStoreError:
+        return CorruptStoreError(
+            f"{path}: not a valid branchtrace store ({why})",
+            hint="pass a store written by branchtrace, or record again",
+        )
+
+    if len(raw) < HEADER_SIZE:
+        raise bad(f"file is {file_size} bytes, shorter than the {HEADER_SIZE}-byte header")
+    h = np.frombuffer(raw, HEADER_DTYPE, count=1)[0]
+    if bytes(h["magic"]) != MAGIC.rstrip(b"\0"):
+        raise bad("bad magic")
+    if int(h["version"]) != VERSION:
+        raise bad(f"format version {int(h['version'])}, this branchtrace reads {VERSION}")
+    data_size, chunk = int(h["data_size"]), int(h["chunk_size"])
+    meta_off, meta_size = int(h["meta_offset"]), int(h["meta_size"])
+    if int(h["header_size"]) != HEADER_SIZE or int(h["data_offset"]) != HEADER_SIZE:
+        raise bad("unexpected header size")
+    if not is_power_of_two(data_size) or data_size < MIN_DATA_SIZE:
+        raise bad(f"ring size {data_size} is not a power of two >= {MIN_DATA_SIZE}")
+    if not is_power_of_two(chunk) or chunk > data_size or chunk < (MAX_RING_PAYLOAD + 2) * WORD:
+        raise bad(f"chunk size {chunk}")
+    if meta_off != HEADER_SIZE + data_size or meta_size % WORD:
+        raise bad("metadata area misplaced")
+    total = meta_off + meta_size
+    if file_size < total:
+        raise bad(f"truncated: {file_size} bytes, the header describes {total}")
+    if int(h["mode"]) not in tuple(Mode):
+        raise bad(f"unknown mode {int(h['mode'])}")
+    head, tail = int(h["data_head"]), int(h["data_tail"])
+    if tail > head or head - tail > data_size or head % WORD or tail % WORD:
+        raise bad(f"inconsistent positions head={head} tail={tail}")
+    if int(h["meta_head"]) > meta_size:
+        raise bad("metadata head beyond the metadata area")
+    return total
+
+
+def recovered_head(ring: Ring) -> int:
+    """data_head, extended over records written past it in the claimed chunk.
+
+    An inline writer publishes data_head lazily and any writer can die between writing a
+    record and publishing it.  When no writer holds the ring any more, the words after
+    data_head up to the first zero word (chunks are zeroed when claimed, and a record's
+    header is written last) are whole records, and are recovered.  If they do not parse,
+    nothing is recovered: a torn record is never returned.
+    """
+    head = ring.head
+    claim = ring._get("claim_end")
+    if claim <= head or ring.writer_state == WriterState.CLOSED or ring.writer_alive():
+        return head
+    at = (head & (ring.data_size - 1)) // WORD
+    words = ring._data[at : at + (claim - head) // WORD]
+    zero = np.flatnonzero(words == 0)
+    n = int(zero[0]) if zero.size else words.size
+    try:
+        parse_words(words[:n], head)
+    except CorruptStoreError:
+        return head
+    return head + n * WORD
+
+
+class RingWriter:
+    """The one writer of a ring (the Python one; the C writer in `bt_writer.h` is its twin).
+
+    `stall_timeout` bounds how long a stream-mode write waits for the consumer (None:
+    forever, the guaranteed-flow contract); on expiry TimeoutError is raised and nothing is
+    lost (the record was not written).
+    """
+
+    def __init__(self, ring: Ring, *, stall_timeout: float | None = None) -> None:
+        self.ring = ring
+        self.stall_timeout = stall_timeout
+        if _ofd_lock(ring.fd, _WRITER_LOCK_BYTE) != 0:
+            raise BusyError(
+                f"{ring.path} is already being written by pid {ring.writer_pid}",
+                hint="only one tool can trace a task; read it instead, or stop the other",
+            )
+        self._size = ring.data_size
+        self._mask = ring.data_size - 1
+        self._chunk = ring.chunk_size
+        self._mode = ring.mode
+        self._data = ring._data
+        # Keep what an earlier writer left past its published head, then start claiming
+        # afresh at the next chunk boundary.
+        self._head = recovered_head(ring)
+        self._claim_end = ring._get("claim_end")
+        if self._head < self._claim_end:
+            self._pad_to_boundary()
+        ring._set("data_head", self._head)
+        self._pending_lost = 0
+        ring._set("writer_pid", os.getpid())
+        ring._set("writer_state", WriterState.ACTIVE)
+
+    # -- records ---------------------------------------------------------------------------
+
+    def write(self, rtype: int, arg: int = 0, *payload: int) -> bool:
+        """Write one record; see format.record_words for the meaning of arg and payload.
+
+        Returns False if the record was dropped (drop mode, ring full); it is counted.
+        """
+        return self.write_words(record_words(rtype, arg, *payload))
+
+    def write_words(self, words: Sequence[int]) -> bool:
+        """Write one already-encoded record (1 to 63 words)."""
+        if self._pending_lost and not self._flush_lost(len(words)):
+            self._lose(1)
+            return False
+        if not self._reserve(len(words)):
+            self._lose(1)
+            return False
+        self._store(words)
+        return True
+
+    def write_blocks(self, words: np.ndarray) -> int:
+        """Write many one-word BLOCK records (bit 63 clear, non-zero) in bulk.
+
+        Returns how many were written; in drop mode the rest were counted as lost.
+        """
+        words = np.ascontiguousarray(words, dtype=_U64)
+        written = 0
+        i, n = 0, words.size
+        while i < n:
+            if self._pending_lost and not self._flush_lost(1):
+                lost = self._skip_unplaceable(n - i)
+                self._lose(lost)
+                i += lost
+                continue
+            if not self._reserve(1):
+                lost = self._skip_unplaceable(n - i)
+                self._lose(lost)
+                i += lost
+                continue
+            room = (self._claim_end - self._head) // WORD
+            k = min(room, n - i)
+            at = (self._head & self._mask) // WORD
+            self._data[at : at + k] = words[i : i + k]
+            self._head += k * WORD
+            self.ring._set("data_head", self._head)
+            written += k
+            i += k
+        return written
+
+    def _skip_unplaceable(self, remaining: int) -> int:
+        # Dropping a chunk's worth at a time keeps a full ring from costing a Python
+        # iteration per record; each one is still counted.
+        return min(remaining, self._chunk // WORD)
+
+    def write_meta(self, rtype: RecordType, fixed: Iterable[int], data: bytes = b"") -> bool:
+        """Append to the metadata log (never overwritten).  False if the log is full."""
+        entry = meta_entry(rtype, self._head, time.time_ns(), list(fixed), data)
+        mh = self.ring._get("meta_head")
+        if mh + len(entry) > self.ring.meta_size:
+            self.ring._set("meta_lost", self.ring._get("meta_lost") + 1)
+            return False
+        self.ring._meta[mh : mh + len(entry)] = np.frombuffer(entry, np.uint8)
+        self.ring._set("meta_head", mh + len(entry))
+        return True
+
+    def flush(self) -> None:
+        """Publish data_head and wake a waiting reader."""
+        self.ring._set("data_head", self._head)
+        self._wake_reader()
+
+    def close(self) -> None:
+        """Publish everything, mark the ring cleanly closed and release it."""
+        if self._pending_lost:
+            self._flush_lost(0)
+        self.ring._set("data_head", self._head)
+        self.ring._set("writer_state", WriterState.CLOSED)
+        self._wake_reader()
+        _ofd_unlock(self.ring.fd, _WRITER_LOCK_BYTE)
+        del self._data
+
+    def __enter__(self) -> RingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _lose(self, n: int) -> None:
+        self._pending_lost += n
+        self.ring._set("lost_records", self.ring._get("lost_records") + n)
+
+    def _flush_lost(self, then_words: int) -> bool:
+        """Place the LOST record announcing the pending losses, if it and the next record fit."""
+        lost = record_words(RecordType.LOST, 0, self._pending_lost)
+        if not self._reserve(len(lost) + then_words):
+            return False
+        self._store(lost)
+        self.ring._set("lost_events", self.ring._get("lost_events") + 1)
+        self._pending_lost = 0
+        return True
+
+    def _store(self, words: Sequence[int]) -> None:
+        at = (self._head & self._mask) // WORD
+        n = len(words)
+        if n > 1:  # payload first, header last: a torn record has a zero header
+            self._data[at + 1 : at + n] = words[1:]
+        self._data[at] = words[0]
+        self._head += n * WORD
+        self.ring._set("data_head", self._head)
+
+    def _pad_to_boundary(self) -> None:
+        left = (-self._head) % self._chunk // WORD
+        if left:
+            at = (self._head & self._mask) // WORD
+            self._data[at : at + left] = _PAD_WORD
+            self._head += left * WORD
+
+    def _reserve(self, nwords: int) -> bool:
+        """Make room for `nwords` contiguous words at head; False if drop mode must drop."""
+        if self._head + nwords * WORD <= self._claim_end:
+            return True
+        if self._head < self._claim_end:
+            self._pad_to_boundary()
+        return self._claim()
+
+    def _claim(self) -> bool:
+        """Claim the chunk starting at head (a chunk boundary)."""
+        start = self._head
+        end = start + self._chunk
+        if self._mode == Mode.WRAP:
+            new_tail = end - self._size
+            if new_tail > self.ring.tail:
+                self.ring._set("data_tail", new_tail)
+        elif end - self.ring.tail > self._size:
+            if self._mode == Mode.DROP:
+                self.ring._set("data_head", self._head)
+                return False
+            self._wait_for_space(end)
+        at = (start & self._mask) // WORD
+        self._data[at : at + self._chunk // WORD] = 0
+        self._claim_end = end
+        self.ring._set("claim_end", end)
+        self.ring._set("data_head", self._head)
+        self._wake_reader()
+        return True
+
+    def _wait_for_space(self, end: int) -> None:
+        ring = self.ring
+        ring._set("writer_waits", ring._get("writer_waits") + 1)
+        deadline = None if self.stall_timeout is None else time.monotonic() + self.stall_timeout
+        while True:
+            seq = ring._get("tail_seq")
+            ring._set("writer_waiting", 1)
+            if end - ring.tail <= self._size:
+                break
+            ring._set("data_head", self._head)
+            self._wake_reader()
+            consumer, sig = ring._get("consumer_pid"), ring._get("notify_signal")
+            if consumer and sig:
+                with contextlib.suppress(OSError):
+                    os.kill(consumer, sig)
+            wait = 0.1
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    ring._set("writer_waiting", 0)
+                    raise TimeoutError(f"{ring.path}: the consumer freed no space")
+            _futex_wait(ring._addr("tail_seq"), seq, wait)
+        ring._set("writer_waiting", 0)
+
+    def _wake_reader(self) -> None:
+        ring = self.ring
+        ring._set("head_seq", (ring._get("head_seq") + 1) & 0xFFFFFFFF)
+        if ring._get("reader_waiting"):
+            _futex_wake(ring._addr("head_seq"))
+
+
+class RingReader:
+    """A reader.  With `consume=True` it owns data_tail (stream and drop modes only)."""
+
+    def __init__(self, ring: Ring, *, consume: bool = False) -> None:
+        self.ring = ring
+        self.consume = consume
+        if consume:
+            if ring.mode == Mode.WRAP:
+                raise ModeConflictError(
+                    f"{ring.path} is in wrap mode: its writer owns data_tail, so it cannot "
+                    "be consumed",
+                    hint="open it read-only, or record in stream mode",
+                )
+            if _ofd_lock(ring.fd, _CONSUMER_LOCK_BYTE) != 0:
+                raise BusyError(
+                    f"{ring.path} already has a consumer, pid {ring._get('consumer_pid')}"
+                )
+            ring._set("consumer_pid", os.getpid())
+
+    def close(self) -> None:
+        if self.consume:
+            _ofd_unlock(self.ring.fd, _CONSUMER_LOCK_BYTE)
+            self.consume = False
+
+    def __enter__(self) -> RingReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_words(self, *, start: int | None = None) -> tuple[np.ndarray, int]:
+        """Copy the valid words: returns (words, stream position of words[0]).
+
+        Start defaults to the oldest valid record (max of data_tail and the owner's
+        clear position).  Records the writer overwrote during the copy are dropped.
+        """
+        ring = self.ring
+        head = recovered_head(ring)
+        tail = max(ring.tail, ring._get("clear_pos"))
+        if start is not None:
+            tail = max(tail, start)
+        if tail >= head:
+            return np.empty(0, _U64), head
+        words = self._copy(tail, head)
+        after = ring.tail
+        if after > tail:  # overwritten while we copied (wrap mode, live writer)
+            words = words[(min(after, head) - tail) // WORD :]
+            tail = min(after, head)
+        return words, tail
+
+    def _copy(self, start: int, end: int) -> np.ndarray:
+        mask = self.ring.data_size - 1
+        a, b = (start & mask) // WORD, (end & mask) // WORD
+        data = self.ring._data
+        if end - start == self.ring.data_size or b <= a:
+            return np.concatenate([data[a:], data[:b]])
+        return data[a:b].copy()
+
+    def read(self, *, start: int | None = None) -> np.ndarray:
+        """The valid records, oldest first, as a RECORD_DTYPE array."""
+        words, pos = self.read_words(start=start)
+        return parse_words(words, pos, where=str(self.ring.path))
+
+    def advance(self, pos: int) -> None:
+        """Release everything before stream position `pos` to the writer."""
+        if not self.consume:
+            raise ModeConflictError(f"{self.ring.path}: this reader does not consume")
+        ring = self.ring
+        if pos > ring.tail:
+            ring._set("data_tail", pos)
+        ring._set("tail_seq", (ring._get("tail_seq") + 1) & 0xFFFFFFFF)
+        if ring._get("writer_waiting"):
+            _futex_wake(ring._addr("tail_seq"))
+
+    def wait(self, seen_head: int, timeout: float) -> bool:
+        """Wait until data_head moves past `seen_head`, the writer closes, or `timeout`.
+
+        Returns True if there is something new to read.
+        """
+        ring = self.ring
+        seq = ring._get("head_seq")
+        ring._set("reader_waiting", 1)
+        try:
+            if ring.head > seen_head or ring.writer_state == WriterState.CLOSED:
+                return ring.head > seen_head
+            _futex_wait(ring._addr("head_seq"), seq, timeout)
+            return ring.head > seen_head
+        finally:
+            ring._set("reader_waiting", 0)
+
+    def meta(self) -> list[MetaEntry]:
+        """The metadata log: module loads, thread names... (never overwritten)."""
+        ring = self.ring
+        n = ring._get("meta_head")
+        return parse_meta(ring._meta[:n].tobytes(), where=f"{ring.path} metadata")

@@ -1,0 +1,63 @@
+"""Shared fixtures: C programs compiled once per session, cached by a hash of source+flags."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from branchtrace.store.format import c_writer_source
+
+TESTS = Path(__file__).parent
+PROGRAMS = TESTS / "programs"
+#: the flags uftrace uses for its fixtures: every call stays a call, frames stay walkable
+FIXTURE_FLAGS = ["-O0", "-g", "-fno-inline", "-fno-omit-frame-pointer"]
+BUILD_DIR = Path(os.environ.get("BRANCHTRACE_TEST_BUILD",
+                                Path(tempfile.gettempdir()) / "branchtrace-test-build"))
+
+
+def build(source: Path, flags: list[str], headers: dict[str, str] | None = None) -> Path:
+    """Compile `source` with gcc; reuse an earlier build of the same inputs."""
+    headers = headers or {}
+    h = hashlib.sha256(source.read_bytes() + "\0".join(flags).encode())
+    for name in sorted(headers):
+        h.update(name.encode() + headers[name].encode())
+    out_dir = BUILD_DIR / h.hexdigest()[:16]
+    exe = out_dir / source.stem
+    if exe.exists():
+        return exe
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in headers.items():
+        (out_dir / name).write_text(text)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir)) / source.stem
+    subprocess.run(["gcc", *flags, "-I", str(out_dir), "-o", str(tmp), str(source), "-lpthread"],
+                   check=True)
+    tmp.rename(exe)
+    return exe
+
+
+@pytest.fixture(scope="session")
+def programs() -> dict[str, Path]:
+    """Every tests/programs/*.c built with the fixture flags, by name."""
+    return {src.stem: build(src, FIXTURE_FLAGS) for src in sorted(PROGRAMS.glob("*.c"))}
+
+
+@pytest.fixture(scope="session")
+def ring_writer() -> Path:
+    """The C writer test program, built against the generated format definitions."""
+    return build(TESTS / "c" / "ring_writer.c", ["-O2", "-Wall", "-Werror"],
+                 {"bt_writer_full.h": c_writer_source()})
+
+
+@pytest.fixture
+def shm_dir():
+    """A private directory under /dev/shm (where stores live by default), removed after."""
+    d = Path(tempfile.mkdtemp(prefix="bt-test-", dir="/dev/shm"))
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
