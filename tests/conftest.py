@@ -16,8 +16,9 @@ TESTS = Path(__file__).parent
 PROGRAMS = TESTS / "programs"
 #: the flags uftrace uses for its fixtures: every call stays a call, frames stay walkable
 FIXTURE_FLAGS = ["-O0", "-g", "-fno-inline", "-fno-omit-frame-pointer"]
-BUILD_DIR = Path(os.environ.get("BRANCHTRACE_TEST_BUILD",
-                                Path(tempfile.gettempdir()) / "branchtrace-test-build"))
+BUILD_DIR = Path(
+    os.environ.get("BRANCHTRACE_TEST_BUILD", Path(tempfile.gettempdir()) / "branchtrace-test-build")
+)
 
 
 def build(source: Path, flags: list[str], headers: dict[str, str] | None = None) -> Path:
@@ -34,8 +35,9 @@ def build(source: Path, flags: list[str], headers: dict[str, str] | None = None)
     for name, text in headers.items():
         (out_dir / name).write_text(text)
     tmp = Path(tempfile.mkdtemp(dir=out_dir)) / source.stem
-    subprocess.run(["gcc", *flags, "-I", str(out_dir), "-o", str(tmp), str(source), "-lpthread"],
-                   check=True)
+    subprocess.run(
+        ["gcc", *flags, "-I", str(out_dir), "-o", str(tmp), str(source), "-lpthread"], check=True
+    )
     tmp.rename(exe)
     return exe
 
@@ -49,8 +51,11 @@ def programs() -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def ring_writer() -> Path:
     """The C writer test program, built against the generated format definitions."""
-    return build(TESTS / "c" / "ring_writer.c", ["-O2", "-Wall", "-Werror"],
-                 {"bt_writer_full.h": c_writer_source()})
+    return build(
+        TESTS / "c" / "ring_writer.c",
+        ["-O2", "-Wall", "-Werror"],
+        {"bt_writer_full.h": c_writer_source()},
+    )
 
 
 @pytest.fixture

@@ -186,7 +186,11 @@ class TaskTrace:
         self._close_ring()
         try:
             self._ring = Ring.create(
-                self.path, size, mode, flags, tid=self.tid,
+                self.path,
+                size,
+                mode,
+                flags,
+                tid=self.tid,
                 notify_signal=self.notify_signal if flags & Flags.SIGNAL else 0,
             )
         except BaseException:
@@ -245,8 +249,10 @@ class TaskTrace:
 
     def _need_ring(self) -> Ring:
         if self._ring is None:
-            raise NoBufferError(f"task {self.tid or '?'} has no trace buffer",
-                                hint="configure one with config(size, flags)")
+            raise NoBufferError(
+                f"task {self.tid or '?'} has no trace buffer",
+                hint="configure one with config(size, flags)",
+            )
         return self._ring
 
     def _read(self) -> np.ndarray:

@@ -123,6 +123,7 @@ def _cacheline(offset: int) -> int:
 
 #: The header page.  Fields written by the writer and by the consumer sit on separate
 #: cache lines so the two sides do not false-share.
+# fmt: off
 HEADER_DTYPE = np.dtype(
     {
         "names": [
@@ -152,6 +153,7 @@ HEADER_DTYPE = np.dtype(
         "itemsize": HEADER_SIZE,
     }
 )
+# fmt: on
 
 #: A parsed ring record.  `pos` is the record's byte position in the ring's stream (the
 #: coordinate of data_head and data_tail): strictly increasing, never reused.
@@ -239,7 +241,8 @@ def c_definitions() -> str:
         lines.append(f"#define BT_KIND_{k.name} {int(k)}")
     fields = HEADER_DTYPE.fields
     assert fields is not None
-    for name, (dt, off) in fields.items():
+    for name, spec in fields.items():
+        dt, off = spec[0], spec[1]
         lines.append(f"#define BT_OFF_{name.upper()} {off}")
         lines.append(f"#define BT_SIZE_{name.upper()} {dt.itemsize}")
     return "\n".join(lines) + "\n"

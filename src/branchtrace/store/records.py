@@ -35,8 +35,10 @@ _ADDRESS_A = np.array(
     [t in (RecordType.BRANCH, RecordType.BLOCK_FAR) for t in range(128)], dtype=bool
 )
 _ADDRESS_B = np.array(
-    [t in (RecordType.BRANCH, RecordType.SWITCH_OUT, RecordType.SWITCH_IN,
-           RecordType.PROBE_HIT) for t in range(128)],
+    [
+        t in (RecordType.BRANCH, RecordType.SWITCH_OUT, RecordType.SWITCH_IN, RecordType.PROBE_HIT)
+        for t in range(128)
+    ],
     dtype=bool,
 )
 _VALID_ESCAPE = np.array(
@@ -74,8 +76,7 @@ def parse_words(words: np.ndarray, start_pos: int = 0, *, where: str = "ring") -
         if bad.any():
             i = int(hidx[np.argmax(bad)])
             raise CorruptStoreError(
-                f"{where}: bad record header {int(w[i]):#018x} at position "
-                f"{start_pos + i * WORD}"
+                f"{where}: bad record header {int(w[i]):#018x} at position {start_pos + i * WORD}"
             )
         if ends[-1] > n:
             raise CorruptStoreError(
@@ -173,6 +174,8 @@ def parse_meta(buf: bytes | memoryview, where: str = "metadata") -> list[MetaEnt
         if end > len(mv) or data_off + nbytes > end:
             raise CorruptStoreError(f"{where}: entry at offset {off} is cut off")
         fixed = tuple(np.frombuffer(mv[off + 3 * WORD : data_off], dtype="<u8").tolist())
-        entries.append(MetaEntry(kind, pos, time_ns, fixed, bytes(mv[data_off : data_off + nbytes])))
+        entries.append(
+            MetaEntry(kind, pos, time_ns, fixed, bytes(mv[data_off : data_off + nbytes]))
+        )
         off = end
     return entries

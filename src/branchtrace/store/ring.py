@@ -81,8 +81,15 @@ class _Timespec(ctypes.Structure):
 
 def _futex_wait(addr: int, expected: int, timeout_s: float) -> None:
     ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
-                  ctypes.byref(ts), None, 0)
+    _libc.syscall(
+        _SYS_FUTEX,
+        ctypes.c_void_p(addr),
+        _FUTEX_WAIT,
+        ctypes.c_uint32(expected),
+        ctypes.byref(ts),
+        None,
+        0,
+    )
 
 
 def _futex_wake(addr: int) -> None:
@@ -232,7 +239,9 @@ class Ring:
             raise
 
     @classmethod
-    def _map(cls, path: Path, fd: int, total: int, *, writable: bool, populate: bool = False) -> Ring:
+    def _map(
+        cls, path: Path, fd: int, total: int, *, writable: bool, populate: bool = False
+    ) -> Ring:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         try:

@@ -1,0 +1,332 @@
+"""The seed's BTS API (TaskTrace), the record encoding and bad store files."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from branchtrace import (
+    CorruptStoreError,
+    Flags,
+    InvalidArgumentError,
+    Mode,
+    NoBufferError,
+    NotSupportedError,
+    OverCapError,
+    RingWriter,
+    TaskTrace,
+)
+from branchtrace.store import (
+    HEADER_DTYPE,
+    BranchKind,
+    MemoryCap,
+    RecordType,
+    Ring,
+    RingReader,
+    parse_meta,
+    parse_size,
+    parse_words,
+    record_words,
+)
+from branchtrace.store.format import HEADER_SIZE, c_definitions, meta_entry
+
+
+@pytest.fixture
+def task(shm_dir):
+    t = TaskTrace(shm_dir / "task.bts", tid=4242, cap=MemoryCap(1 << 24))
+    yield t
+    t.close()
+
+
+def fill(task: TaskTrace, n: int, first: int = 1) -> None:
+    with RingWriter(task.ring) as w:
+        for i in range(first, first + n):
+            w.write(RecordType.BLOCK, 0, i)
+
+
+def test_no_buffer_until_config(task):
+    for call in (task.status, task.size, task.clear, task.drain, lambda: task.get(0)):
+        with pytest.raises(NoBufferError):
+            call()
+
+
+def test_config_rounds_size_down_to_a_power_of_two_in_bytes(task):
+    task.config(100_000, Flags.TRACE)
+    assert task.status().size_bytes == 65536
+    assert task.status().mode == Mode.WRAP
+    assert task.ring.tid == 4242
+
+
+@pytest.mark.parametrize("size", [-1, 1, 4095])
+def test_config_rejects_bad_sizes(task, size):
+    with pytest.raises(InvalidArgumentError):
+        task.config(size, Flags.TRACE)
+
+
+def test_config_rejects_unknown_and_unsupported_flags(shm_dir):
+    t = TaskTrace(shm_dir / "x.bts", supported=Flags.TRACE | Flags.SIGNAL, cap=MemoryCap(1 << 24))
+    with pytest.raises(InvalidArgumentError):
+        t.config(8192, Flags(1 << 10))
+    with pytest.raises(NotSupportedError, match="SCHED"):
+        t.config(8192, Flags.TRACE | Flags.SCHED)
+
+
+def test_same_size_keeps_records_and_changes_mode_in_place(task):
+    task.config(8192, Flags.TRACE)
+    fill(task, 10)
+    task.config(8192, Flags.TRACE | Flags.SIGNAL)
+    assert task.status().mode == Mode.STREAM and task.size() == 10
+    task.config(16384, Flags.TRACE)  # a new size: a new, empty buffer
+    assert task.size() == 0 and task.status().size_bytes == 16384
+
+
+def test_size_zero_frees_the_buffer(task):
+    task.config(8192)
+    task.config(0)
+    assert not task.path.exists()
+    with pytest.raises(NoBufferError):
+        task.size()
+
+
+def test_memory_cap_refuses_or_with_cut_size_clamps(shm_dir):
+    cap = MemoryCap(1 << 20)
+    a = TaskTrace(shm_dir / "a.bts", cap=cap)
+    b = TaskTrace(shm_dir / "b.bts", cap=cap)
+    a.config(512 << 10)
+    with pytest.raises(OverCapError, match="cap"):
+        b.config(1 << 20)
+    b.config(1 << 20, Flags.TRACE | Flags.CUT_SIZE)
+    assert b.status().size_bytes == 512 << 10
+    assert cap.used == 1 << 20
+    a.config(0)
+    assert cap.used == 512 << 10
+    with pytest.raises(OverCapError):
+        TaskTrace(shm_dir / "c.bts", cap=MemoryCap(4000)).config(1 << 20, Flags.CUT_SIZE)
+
+
+def test_no_record_count_limit_beyond_memory(task):
+    task.config(1 << 24, Flags.TRACE | Flags.SIGNAL)  # 16 MiB: two million 8-byte records
+    with RingWriter(task.ring) as w:
+        assert w.write_blocks(np.arange(1, 2_000_001, dtype=np.uint64)) == 2_000_000
+    assert task.size() == 2_000_000
+
+
+def test_get_zero_is_newest_and_bad_indices_fail(task):
+    task.config(8192)
+    fill(task, 5)
+    assert [int(task.get(i)["a"]) for i in range(5)] == [5, 4, 3, 2, 1]
+    for bad in (5, -1):
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            task.get(bad)
+
+
+@pytest.mark.parametrize("flags", [Flags.TRACE, Flags.TRACE | Flags.SIGNAL, Flags.DROP])
+def test_drain_returns_oldest_first_then_clears(task, flags):
+    task.config(8192, flags)
+    fill(task, 7)
+    assert task.drain()["a"].tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert task.size() == 0
+    fill(task, 3, first=8)
+    assert task.drain()["a"].tolist() == [8, 9, 10]
+
+
+def test_clear_in_wrap_mode_leaves_the_writers_tail_alone(task):
+    task.config(8192)
+    fill(task, 4)
+    tail = task.ring.tail
+    task.clear()
+    assert task.size() == 0 and task.ring.tail == tail
+
+
+def test_reopening_an_existing_store(shm_dir):
+    t = TaskTrace(shm_dir / "r.bts", cap=MemoryCap(1 << 24))
+    t.config(8192)
+    fill(t, 3)
+    t.close()
+    again = TaskTrace(shm_dir / "r.bts", cap=MemoryCap(1 << 24))
+    assert again.size() == 3 and again.status().size_bytes == 8192
+
+
+# -- the encoding ---------------------------------------------------------------------------
+
+addresses = st.one_of(
+    st.integers(1, (1 << 47) - 1), st.integers(0xFFFF_8000_0000_0000, (1 << 64) - 1)
+)
+values = st.integers(0, (1 << 62) - 1)
+records = st.one_of(
+    st.tuples(st.just(RecordType.BLOCK), st.integers(0, 0xFFFF), st.integers(1, (1 << 62) - 1)),
+    st.tuples(st.just(RecordType.BRANCH), st.sampled_from(list(BranchKind)), addresses, addresses),
+    st.tuples(
+        st.sampled_from([RecordType.SWITCH_IN, RecordType.SWITCH_OUT]),
+        st.integers(0, 4095),
+        values,
+        addresses,
+    ),
+    st.tuples(st.just(RecordType.THREAD_START), st.integers(1, 1 << 22), values),
+    st.tuples(st.just(RecordType.THREAD_EXIT), st.integers(1, 1 << 22), values, values),
+    st.tuples(st.just(RecordType.LOST), st.just(0), values),
+    st.tuples(st.just(RecordType.TIME), st.just(0), values),
+    st.tuples(
+        st.just(RecordType.PROBE_HIT),
+        st.integers(0, 1 << 20),
+        values,
+        addresses,
+        st.lists(values, max_size=60),
+    ),
+)
+
+
+def expected(rec: tuple) -> tuple[int, int, int, int]:
+    rtype, arg, *payload = rec
+    if rtype == RecordType.PROBE_HIT:
+        payload = payload[:2]
+    if rtype == RecordType.BLOCK:
+        return (rtype, arg, payload[0], payload[0] + arg)
+    return (rtype, arg, *[*payload, 0, 0][:2])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(records, max_size=50))
+def test_encode_parse_roundtrip(recs):
+    words, positions, pos = [], [], 1000
+    for r in recs:
+        rtype, arg, *payload = r
+        if rtype == RecordType.PROBE_HIT:
+            payload = payload[:2] + payload[2]
+        w = record_words(rtype, arg, *payload)
+        positions.append(pos)
+        pos += 8 * len(w)
+        words += w
+    parsed = parse_words(np.array(words, dtype=np.uint64), 1000)
+    got = [(int(p["type"]), int(p["arg"]), int(p["a"]), int(p["b"])) for p in parsed]
+    assert got == [expected(r) for r in recs]
+    assert parsed["pos"].tolist() == positions
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, (1 << 64) - 1), max_size=40))
+def test_parse_of_garbage_fails_cleanly_or_parses(words):
+    try:
+        parse_words(np.array(words, dtype=np.uint64), 0)
+    except CorruptStoreError as e:
+        assert "\n" not in str(e)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                [
+                    RecordType.MODULE_LOAD,
+                    RecordType.MODULE_UNLOAD,
+                    RecordType.THREAD_NAME,
+                    RecordType.PROCESS,
+                ]
+            ),
+            st.integers(0, 1 << 40),
+            st.integers(0, 1 << 62),
+            st.binary(max_size=40),
+            st.text(max_size=60),
+        ),
+        max_size=8,
+    )
+)
+def test_metadata_roundtrip(entries):
+    from branchtrace.store.format import META_FIXED_WORDS
+
+    blob = b""
+    want = []
+    for rtype, pos, t, build_id, text in entries:
+        fixed = list(range(7, 7 + META_FIXED_WORDS[rtype]))
+        data = text.encode()
+        if rtype == RecordType.MODULE_LOAD:
+            data = bytes([len(build_id)]) + build_id + data
+        blob += meta_entry(rtype, pos, t, fixed, data)
+        want.append((rtype, pos, t, tuple(fixed), data))
+    got = parse_meta(blob)
+    assert [(e.type, e.pos, e.time_ns, e.fixed, e.data) for e in got] == want
+    for e, (rtype, *_, build_id, text) in zip(got, entries, strict=True):
+        if rtype == RecordType.MODULE_LOAD:
+            assert e.build_id == build_id and e.path == text
+
+
+def test_writer_metadata_survives_wraparound(task):
+    task.config(8192)
+    with RingWriter(task.ring) as w:
+        w.write_meta(RecordType.MODULE_LOAD, [0x400000, 0x2000], b"\x02\xab\xcd/usr/bin/prog")
+        w.write_blocks(np.arange(1, 100_000, dtype=np.uint64))  # wraps many times
+    (mod,) = RingReader(task.ring).meta()
+    assert (mod.type, mod.fixed, mod.path, mod.build_id) == (
+        RecordType.MODULE_LOAD,
+        (0x400000, 0x2000),
+        "/usr/bin/prog",
+        b"\xab\xcd",
+    )
+    assert task.drain()["a"][0] > 90_000
+
+
+def test_c_definitions_match_the_header_dtype():
+    lines = c_definitions().splitlines()
+    defs = dict(line.split()[1:3] for line in lines if line.startswith("#define"))
+    for name, (dt, off) in HEADER_DTYPE.fields.items():
+        assert int(defs[f"BT_OFF_{name.upper()}"]) == off
+        assert int(defs[f"BT_SIZE_{name.upper()}"]) == dt.itemsize
+    assert int(defs["BT_RECORDTYPE_LOST"]) == RecordType.LOST
+
+
+def test_parse_size():
+    assert parse_size("4096") == 4096
+    assert parse_size("16M") == 16 << 20
+    assert parse_size("512KiB") == 512 << 10
+    assert parse_size("1g") == 1 << 30
+    with pytest.raises(InvalidArgumentError):
+        parse_size("lots")
+
+
+# -- files that are not stores ----------------------------------------------------------------
+
+
+def _store_bytes(shm_dir) -> bytes:
+    t = TaskTrace(shm_dir / "good.bts", cap=MemoryCap(1 << 24))
+    t.config(8192)
+    fill(t, 20)
+    t.close()
+    return (shm_dir / "good.bts").read_bytes()
+
+
+def _patch(raw: bytes, field: str, fmt: str, value: int) -> bytes:
+    off = HEADER_DTYPE.fields[field][1]
+    return raw[:off] + struct.pack(fmt, value) + raw[off + struct.calcsize(fmt) :]
+
+
+@pytest.mark.parametrize(
+    ("name", "mutate", "message"),
+    [
+        ("empty", lambda raw: b"", "shorter than"),
+        ("foreign", lambda raw: b"\x7fELF" + os.urandom(5000), "bad magic"),
+        ("text", lambda raw: b"hello\n" * 1000, "bad magic"),
+        ("truncated", lambda raw: raw[: HEADER_SIZE + 100], "truncated"),
+        ("version", lambda raw: _patch(raw, "version", "<I", 99), "format version 99"),
+        ("size", lambda raw: _patch(raw, "data_size", "<Q", 12345), "power of two"),
+        ("head", lambda raw: _patch(raw, "data_head", "<Q", 1 << 40), "inconsistent"),
+        ("mode", lambda raw: _patch(raw, "mode", "<I", 7), "unknown mode"),
+        (
+            "records",
+            lambda raw: raw[:HEADER_SIZE] + b"\xff" * 8192 + raw[HEADER_SIZE + 8192 :],
+            "bad record header",
+        ),
+    ],
+)
+def test_bad_files_give_one_line_errors(shm_dir, name, mutate, message):
+    bad = shm_dir / f"{name}.bts"
+    bad.write_bytes(mutate(_store_bytes(shm_dir)))
+    with pytest.raises(CorruptStoreError, match=message) as info:
+        ring = Ring.open(bad)
+        RingReader(ring).read()
+    assert "\n" not in str(info.value)

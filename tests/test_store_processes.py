@@ -1,0 +1,229 @@
+"""A C writer process and a Python reader share a ring: stream, wrap after SIGKILL, drop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from branchtrace import BusyError, ModeConflictError, RingWriter
+from branchtrace.store import (
+    Flags,
+    Mode,
+    RecordType,
+    Ring,
+    RingReader,
+    parse_words,
+    recovered_head,
+)
+from branchtrace.store.format import WriterState
+
+U64 = np.uint64
+
+
+def expected_types(seq: np.ndarray, esc: int = 0, probe: int = 0) -> np.ndarray:
+    """What ring_writer.c writes as record number `seq`."""
+    t = np.full(seq.size, RecordType.BLOCK, dtype=np.uint8)
+    if probe:
+        t[seq % U64(probe) == 0] = RecordType.PROBE_HIT
+    if esc:
+        t[seq % U64(esc) == 0] = RecordType.BRANCH
+    return t
+
+
+def consume(ring: Ring, on_batch: Callable[[np.ndarray, np.ndarray, int], None]) -> None:
+    """Drain `ring` as its consumer until the writer closes it."""
+    with RingReader(ring, consume=True) as reader:
+        while True:
+            closed = ring.writer_state == WriterState.CLOSED
+            words, pos = reader.read_words()
+            if words.size:
+                on_batch(parse_words(words, pos), words, pos)
+                reader.advance(pos + words.size * 8)
+            elif closed:
+                return
+            else:
+                reader.wait(ring.head, 0.05)
+
+
+def test_stream_moves_100m_records_between_processes_with_zero_loss(shm_dir, ring_writer):
+    n, esc, probe = 100_000_007, 997, 100_003
+    ring = Ring.create(shm_dir / "s.bts", 16 << 20, Mode.STREAM, Flags.TRACE | Flags.SIGNAL)
+    writer = subprocess.Popen(
+        [ring_writer, ring.path, str(n), "-e", str(esc), "-p", str(probe)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    state = {"next": 1}
+
+    def check(recs: np.ndarray, words: np.ndarray, pos: int) -> None:
+        seq = np.arange(state["next"], state["next"] + recs.size, dtype=U64)
+        assert np.array_equal(recs["a"], seq), "records missing, duplicated or reordered"
+        assert np.array_equal(recs["type"], expected_types(seq, esc, probe))
+        blocks = recs["type"] == RecordType.BLOCK
+        assert np.array_equal(recs["b"][blocks], seq[blocks] + (seq[blocks] & U64(0xFFFF)))
+        assert np.array_equal(recs["b"][~blocks], seq[~blocks])
+        state["next"] += recs.size
+
+    consume(ring, check)
+    out, _ = writer.communicate(timeout=60)
+    assert writer.returncode == 0
+    assert out.split() == ["written", str(n), "lost", "0"]
+    assert state["next"] - 1 == n
+    assert ring.lost_records == 0
+    assert ring.header()["writer_waits"] > 0, "the ring never filled: backpressure untested"
+
+
+def _kill_midway(ring_writer: Path, path: Path, delay: float) -> None:
+    proc = subprocess.Popen(
+        [ring_writer, path, "0", "-l", "-p", "5", "-r"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.001, 0.003, 0.007, 0.013, 0.029, 0.051])
+def test_wrap_late_reader_after_writer_sigkilled_mid_write(shm_dir, ring_writer, delay):
+    path = shm_dir / "w.bts"
+    Ring.create(path, 64 << 10, Mode.WRAP, Flags.TRACE).close()
+    _kill_midway(ring_writer, path, delay)
+
+    with Ring.open(path) as ring:
+        assert not ring.writer_alive() and ring.writer_state == WriterState.ACTIVE
+        head = recovered_head(ring)
+        assert head >= ring.head  # the lazy writer left records past data_head
+        words, pos = RingReader(ring).read_words()
+        recs = parse_words(words, pos)
+    assert recs.size > 0 and words.size * 8 >= (64 << 10) * 7 // 8 - 504
+    seq = recs["a"]
+    assert np.array_equal(seq, np.arange(seq[0], seq[0] + seq.size, dtype=U64))
+    assert np.array_equal(recs["type"], expected_types(seq, probe=5))
+    # every 63-word PROBE_HIT returned is whole: all 62 payload words are its number
+    at = ((recs["pos"][recs["type"] == RecordType.PROBE_HIT] - U64(pos)) // U64(8)).astype(int)
+    payload = words[at[:, None] + np.arange(1, 63)]
+    assert (payload == seq[recs["type"] == RecordType.PROBE_HIT][:, None]).all()
+
+
+def test_torn_record_past_head_is_never_returned(shm_dir):
+    path = shm_dir / "t.bts"
+    ring = Ring.create(path, 8192, Mode.WRAP)
+    w = RingWriter(ring)
+    for i in range(1, 11):
+        w.write(RecordType.BLOCK, 0, i)
+    # Simulate a lazy inline writer killed mid-record: two whole BLOCK words past the
+    # published head, then a 3-word BRANCH whose payload landed but whose header did not.
+    at = ring.head // 8
+    ring._data[at : at + 2] = [11, 12]
+    ring._data[at + 3 : at + 5] = [0x1234, 0x5678]
+    w.ring._set("writer_state", WriterState.ACTIVE)
+    os.close(os.dup(ring.fd))
+    from branchtrace.store.ring import _WRITER_LOCK_BYTE, _ofd_unlock
+
+    _ofd_unlock(ring.fd, _WRITER_LOCK_BYTE)  # the writer "dies" without closing
+    with Ring.open(path) as late:
+        recs = RingReader(late).read()
+    assert recs["a"].tolist() == list(range(1, 13))
+
+
+def test_drop_mode_counts_every_lost_record_exactly(shm_dir, ring_writer):
+    n = 3_000_017
+    ring = Ring.create(shm_dir / "d.bts", 64 << 10, Mode.DROP, Flags.TRACE | Flags.DROP)
+    writer = subprocess.Popen(
+        [ring_writer, ring.path, str(n), "-e", "101"], stdout=subprocess.PIPE, text=True
+    )
+    got: list[np.ndarray] = []
+
+    def slow(recs: np.ndarray, words: np.ndarray, pos: int) -> None:
+        got.append(recs.copy())
+        time.sleep(0.002)  # slower than the writer: the ring overflows again and again
+
+    consume(ring, slow)
+    out, _ = writer.communicate(timeout=60)
+    written, lost = int(out.split()[1]), int(out.split()[3])
+    recs = np.concatenate(got)
+    data = recs[recs["type"] != RecordType.LOST]
+    announced = recs[recs["type"] == RecordType.LOST]
+    assert lost > 0 and written + lost == n
+    assert ring.lost_records == lost
+    assert data.size == written
+    assert int(announced["a"].sum()) <= lost  # the rest is past the last record
+    # each LOST record sits exactly where its count of numbers is missing
+    seq = np.concatenate([[0], recs["a"]]).astype(np.int64)
+    is_lost = np.concatenate([[False], recs["type"] == RecordType.LOST])
+    prev = np.maximum.accumulate(np.where(is_lost, 0, seq))
+    for i in np.flatnonzero(is_lost):
+        nxt = np.flatnonzero(~is_lost[i:])
+        after = seq[i + nxt[0]] if nxt.size else n + 1
+        assert after - prev[i - 1] - 1 == seq[i]
+    tail_gap = n - int(data["a"][-1])
+    assert int(announced["a"].sum()) + tail_gap == lost
+    assert np.all(np.diff(data["a"].astype(np.int64)) > 0)
+
+
+def test_stream_writer_signals_a_stalled_consumer(shm_dir, ring_writer):
+    hits = []
+    old = signal.signal(signal.SIGIO, lambda *a: hits.append(1))
+    try:
+        ring = Ring.create(
+            shm_dir / "n.bts",
+            8192,
+            Mode.STREAM,
+            Flags.TRACE | Flags.SIGNAL,
+            notify_signal=signal.SIGIO,
+        )
+        reader = RingReader(ring, consume=True)
+        writer = subprocess.Popen([ring_writer, ring.path, "5000"], stdout=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while not hits and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hits, "no SIGIO while the ring was full"
+        total = 0
+        while writer.poll() is None or ring.head > ring.tail:
+            recs = reader.read()
+            total += recs.size
+            if recs.size:
+                reader.advance(int(recs["pos"][-1]) + 8)
+            time.sleep(0.001)
+        writer.communicate()
+        assert total == 5000 and writer.returncode == 0
+    finally:
+        signal.signal(signal.SIGIO, old)
+
+
+def test_one_writer_per_ring_and_the_error_names_the_owner(shm_dir, ring_writer):
+    ring = Ring.create(shm_dir / "b.bts", 8192, Mode.STREAM, Flags.TRACE | Flags.SIGNAL)
+    owner = subprocess.Popen([ring_writer, ring.path, "0"], stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 5
+        while ring.writer_pid != owner.pid and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(BusyError, match=f"pid {owner.pid}"):
+            RingWriter(ring)
+    finally:
+        owner.kill()
+        owner.communicate()
+    with RingWriter(ring):  # the lock died with its owner
+        pass
+    with RingWriter(ring):
+        second = subprocess.run([ring_writer, ring.path, "1"], capture_output=True, text=True)
+    assert second.returncode == 3 and "busy" in second.stderr
+
+
+def test_consumer_excludes_wrap_mode_and_other_consumers(shm_dir):
+    wrap = Ring.create(shm_dir / "w.bts", 8192, Mode.WRAP)
+    with pytest.raises(ModeConflictError, match="wrap mode"):
+        RingReader(wrap, consume=True)
+    RingReader(wrap).read()  # read-only readers are always welcome
+    stream = Ring.create(shm_dir / "s.bts", 8192, Mode.STREAM)
+    with RingReader(stream, consume=True), pytest.raises(BusyError, match="consumer"):
+        RingReader(Ring.open(stream.path, writable=True), consume=True)
