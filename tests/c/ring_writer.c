@@ -20,8 +20,15 @@ static void bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns) {
 }
 static void bt_futex_wake(uint32_t *addr) { syscall(SYS_futex, addr, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
 static void bt_notify(uint32_t pid, uint32_t sig) { kill((pid_t)pid, (int)sig); }
+struct bt_writer;
+static int bt_consumer_alive(struct bt_writer *w);
 
 #include "bt_writer_full.h"
+
+static int bt_consumer_alive(struct bt_writer *w) {
+  struct flock lk = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 1, .l_len = 1};
+  return fcntl(w->fd, F_OFD_GETLK, &lk) == 0 && lk.l_type != F_UNLCK;
+}
 
 /* Record i is BLOCK(start=i, last_off=i & 0xffff), or every -e N a BRANCH(CALL, i, i), or
    every -p N a PROBE_HIT(probe 7) of 62 payload words all equal to i. */
@@ -47,7 +54,7 @@ int main(int argc, char **argv) {
   void *map = mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (map == MAP_FAILED) { perror("mmap"); return 2; }
   struct bt_writer w;
-  if (bt_writer_init(&w, map, !lazy, (uint32_t)getpid())) { fprintf(stderr, "not a ring\n"); return 2; }
+  if (bt_writer_init(&w, map, fd, !lazy, (uint32_t)getpid())) { fprintf(stderr, "not a ring\n"); return 2; }
   uint64_t lost = 0, rec[BT_MAX_RING_PAYLOAD + 1];
   for (uint64_t i = 1; count == 0 || i <= count; i++) {
     int r;

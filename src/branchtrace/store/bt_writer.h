@@ -8,6 +8,8 @@
  *   bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns)
  *   bt_futex_wake(uint32_t *addr)
  *   bt_notify(uint32_t pid, uint32_t sig)      -- signal a stalled consumer
+ *   bt_consumer_alive(struct bt_writer *w)     -- is a consumer holding the ring (OFD lock
+ *                                                 on byte 1 of w->fd)?
  * and holds the writer lock (an OFD lock on byte 0 of the file) for as long as it writes.
  *
  * Ordering: x86-64 keeps stores in program order, so a record's words are visible before
@@ -29,11 +31,16 @@ struct bt_writer {
   uint64_t pending_lost;
   uint32_t mode;
   int publish_each;     /* publish data_head after every record (else at chunk claims) */
+  int fd;               /* the store file, for bt_consumer_alive */
 };
 
+static int bt_consumer_alive(struct bt_writer *w);
+
 /* Returns 0, or -1 if `mapping` is not a ring of this format version. */
-static int bt_writer_init(struct bt_writer *w, void *mapping, int publish_each, uint32_t pid) {
+static int bt_writer_init(struct bt_writer *w, void *mapping, int fd, int publish_each,
+                          uint32_t pid) {
   w->base = (uint8_t *)mapping;
+  w->fd = fd;
   if (BT_HDR64(w, BT_OFF_MAGIC) != BT_MAGIC || BT_HDR32(w, BT_OFF_VERSION) != BT_VERSION)
     return -1;
   w->data = (uint64_t *)(w->base + BT_HDR64(w, BT_OFF_DATA_OFFSET));
@@ -68,9 +75,12 @@ static void bt_publish(struct bt_writer *w) {
   BT_HDR64(w, BT_OFF_DATA_HEAD) = w->head;
 }
 
-static void bt_wait_for_space(struct bt_writer *w, uint64_t end) {
+/* Wait for the consumer to free the chunk ending at `end`.  0, or -1 if the consumer is
+   gone (it died or was killed): then the ring turns into a drop ring, so a traced program
+   is never left waiting for a tool that no longer exists. */
+static int bt_wait_for_space(struct bt_writer *w, uint64_t end) {
   BT_HDR64(w, BT_OFF_WRITER_WAITS) = BT_HDR64(w, BT_OFF_WRITER_WAITS) + 1;
-  for (;;) {
+  for (int round = 0;; round++) {
     uint32_t seq = BT_HDR32(w, BT_OFF_TAIL_SEQ);
     BT_HDR32(w, BT_OFF_WRITER_WAITING) = 1;
     __sync_synchronize(); /* the flag must be visible before we re-read data_tail */
@@ -80,9 +90,16 @@ static void bt_wait_for_space(struct bt_writer *w, uint64_t end) {
     bt_wake_reader(w);
     if (BT_HDR32(w, BT_OFF_CONSUMER_PID) && BT_HDR32(w, BT_OFF_NOTIFY_SIGNAL))
       bt_notify(BT_HDR32(w, BT_OFF_CONSUMER_PID), BT_HDR32(w, BT_OFF_NOTIFY_SIGNAL));
+    if (round > 0 && !bt_consumer_alive(w)) {
+      BT_HDR32(w, BT_OFF_WRITER_WAITING) = 0;
+      w->mode = BT_MODE_DROP;
+      BT_HDR32(w, BT_OFF_MODE) = BT_MODE_DROP;
+      return -1;
+    }
     bt_futex_wait((uint32_t *)(w->base + BT_OFF_TAIL_SEQ), seq, 100000000L);
   }
   BT_HDR32(w, BT_OFF_WRITER_WAITING) = 0;
+  return 0;
 }
 
 /* Claim the chunk at head (a chunk boundary).  0, or -1 when drop mode must drop. */
@@ -93,11 +110,10 @@ static int bt_claim(struct bt_writer *w) {
       BT_HDR64(w, BT_OFF_DATA_TAIL) = end - w->size;
     bt_barrier();
   } else if (end - BT_HDR64(w, BT_OFF_DATA_TAIL) > w->size) {
-    if (w->mode == BT_MODE_DROP) {
+    if (w->mode == BT_MODE_DROP || bt_wait_for_space(w, end)) {
       bt_publish(w);
       return -1;
     }
-    bt_wait_for_space(w, end);
   }
   uint64_t *p = w->data + (w->head & w->mask) / 8;
   for (uint64_t i = 0; i < w->chunk / 8; i++)
@@ -131,9 +147,9 @@ static void bt_store(struct bt_writer *w, const uint64_t *words, unsigned n) {
     bt_publish(w);
 }
 
-static void bt_lose(struct bt_writer *w) {
-  w->pending_lost++;
-  BT_HDR64(w, BT_OFF_LOST_RECORDS) = BT_HDR64(w, BT_OFF_LOST_RECORDS) + 1;
+static void bt_lose(struct bt_writer *w, uint64_t n) {
+  w->pending_lost += n;
+  BT_HDR64(w, BT_OFF_LOST_RECORDS) = BT_HDR64(w, BT_OFF_LOST_RECORDS) + n;
 }
 
 static int bt_flush_lost(struct bt_writer *w, unsigned then_words) {
@@ -151,7 +167,7 @@ static int bt_flush_lost(struct bt_writer *w, unsigned then_words) {
 /* Write one encoded record of 1..BT_MAX_RING_PAYLOAD+1 words.  0, or -1 if dropped. */
 static int bt_write(struct bt_writer *w, const uint64_t *words, unsigned n) {
   if ((w->pending_lost && bt_flush_lost(w, n)) || bt_reserve(w, n)) {
-    bt_lose(w);
+    bt_lose(w, 1);
     return -1;
   }
   bt_store(w, words, n);

@@ -550,11 +550,11 @@ class RingWriter:
             new_tail = end - self._size
             if new_tail > self.ring.tail:
                 self.ring._set("data_tail", new_tail)
-        elif end - self.ring.tail > self._size:
-            if self._mode == Mode.DROP:
-                self.ring._set("data_head", self._head)
-                return False
-            self._wait_for_space(end)
+        elif end - self.ring.tail > self._size and (
+            self._mode == Mode.DROP or not self._wait_for_space(end)
+        ):
+            self.ring._set("data_head", self._head)
+            return False
         at = (start & self._mask) // WORD
         self._data[at : at + self._chunk // WORD] = 0
         self._claim_end = end
@@ -563,10 +563,16 @@ class RingWriter:
         self._wake_reader()
         return True
 
-    def _wait_for_space(self, end: int) -> None:
+    def _wait_for_space(self, end: int) -> bool:
+        """Wait for the consumer to free the chunk ending at `end`.
+
+        False if the consumer is gone (its lock was released): the ring then turns into a
+        drop ring, so a writer never waits for a tool that no longer exists.
+        """
         ring = self.ring
         ring._set("writer_waits", ring._get("writer_waits") + 1)
         deadline = None if self.stall_timeout is None else time.monotonic() + self.stall_timeout
+        rounds = 0
         while True:
             seq = ring._get("tail_seq")
             ring._set("writer_waiting", 1)
@@ -584,8 +590,15 @@ class RingWriter:
                 if wait <= 0:
                     ring._set("writer_waiting", 0)
                     raise TimeoutError(f"{ring.path}: the consumer freed no space")
+            if rounds and _ofd_lock(ring.fd, _CONSUMER_LOCK_BYTE, query=True) == 0:
+                ring._set("writer_waiting", 0)
+                self._mode = Mode.DROP
+                ring._set("mode", Mode.DROP)
+                return False
+            rounds += 1
             _futex_wait(ring._addr("tail_seq"), seq, wait)
         ring._set("writer_waiting", 0)
+        return True
 
     def _wake_reader(self) -> None:
         ring = self.ring
