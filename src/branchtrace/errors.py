@@ -77,3 +77,29 @@ class CorruptStoreError(StoreError):
     """The file is not a store, is truncated, or holds records that do not parse."""
 
     exit_code = 4
+
+
+class LaunchError(BranchtraceError):
+    """The program to trace could not be started (missing, not executable, not ELF)."""
+
+    exit_code = 10
+
+
+class NoSuchProcessError(BranchtraceError):
+    exit_code = 11
+
+
+class PermissionDeniedError(BranchtraceError):
+    exit_code = 12
+
+
+class EngineUnavailableError(BranchtraceError):
+    """The engine cannot run here (Frida cannot inject, no such hardware...)."""
+
+    exit_code = 13
+
+
+class AlreadyTracedError(BranchtraceError):
+    """Another tracer (a debugger, another branchtrace) owns the process."""
+
+    exit_code = 14

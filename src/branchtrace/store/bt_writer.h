@@ -19,6 +19,7 @@
 #define BT_WRITER_H
 
 #define bt_barrier() __asm__ __volatile__("" ::: "memory")
+#define bt_full_barrier() __asm__ __volatile__("mfence" ::: "memory")
 #define BT_HDR64(w, off) (*(volatile uint64_t *)((w)->base + (off)))
 #define BT_HDR32(w, off) (*(volatile uint32_t *)((w)->base + (off)))
 
@@ -83,7 +84,7 @@ static int bt_wait_for_space(struct bt_writer *w, uint64_t end) {
   for (int round = 0;; round++) {
     uint32_t seq = BT_HDR32(w, BT_OFF_TAIL_SEQ);
     BT_HDR32(w, BT_OFF_WRITER_WAITING) = 1;
-    __sync_synchronize(); /* the flag must be visible before we re-read data_tail */
+    bt_full_barrier(); /* the flag must be visible before we re-read data_tail */
     if (end - BT_HDR64(w, BT_OFF_DATA_TAIL) <= w->size)
       break;
     bt_publish(w);

@@ -179,3 +179,12 @@ def parse_meta(buf: bytes | memoryview, where: str = "metadata") -> list[MetaEnt
         )
         off = end
     return entries
+
+
+def count_records(words: np.ndarray) -> int:
+    """How many records (PAD excluded) `words` holds, without building them."""
+    w = np.asarray(words, dtype=_U64)
+    headers = w[(w >> _U64(63)).astype(bool)]
+    payload = int(((headers >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).sum())
+    pads = int((((headers >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)) == RecordType.PAD).sum())
+    return w.size - payload - pads

@@ -1,0 +1,67 @@
+"""What every engine offers, so the command line never asks which engine it has."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from ..store import Mode
+
+
+@dataclass(frozen=True)
+class Target:
+    """A program to spawn (`argv`) or a running process to attach to (`pid`)."""
+
+    argv: tuple[str, ...] = ()
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class RecordOptions:
+    output: Path = Path("branchtrace.data")
+    mode: Mode = Mode.WRAP
+    buffer_size: int = 16 << 20  #: bytes per thread ring, a power of two
+    duration: float | None = None  #: seconds; None: until the program ends or stop is set
+
+
+@dataclass
+class ThreadStats:
+    records: int = 0
+    lost: int = 0
+
+
+@dataclass
+class RecordResult:
+    output: Path
+    pid: int
+    threads: dict[int, ThreadStats] = field(default_factory=dict)
+    exit_code: int | None = None  #: the program's exit status, if it exited
+    signal: int | None = None  #: the signal that killed it, if one did
+    detached: bool = False  #: we let go of a process that is still running
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def records(self) -> int:
+        return sum(t.records for t in self.threads.values())
+
+    @property
+    def lost(self) -> int:
+        return sum(t.lost for t in self.threads.values())
+
+
+class Events(Protocol):
+    """How an engine reports progress; only the CLI prints."""
+
+    def started(self, description: str) -> None: ...
+
+    def warning(self, message: str) -> None: ...
+
+
+class Engine(Protocol):
+    name: str
+
+    def record(
+        self, target: Target, options: RecordOptions, events: Events, stop: threading.Event
+    ) -> RecordResult: ...

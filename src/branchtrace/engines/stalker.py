@@ -1,0 +1,532 @@
+"""The stalker engine: Frida Stalker follows every thread; a CModule transform writes one
+BLOCK record per executed block straight into the thread's ring (stalker_agent.c).
+
+The host creates a ring per thread in the trace directory, hands it to the agent, drains
+it to `T<tid>.stream` in stream and drop modes, and collects the exit status.  Nothing the
+program recorded depends on the agent's cooperation at the end: when the process dies
+(exit, crash, SIGKILL) its writer locks go with it and the last records are recovered
+from the rings (docs/format.md, "a late reader").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import frida
+import numpy as np
+
+from ..errors import (
+    AlreadyTracedError,
+    BranchtraceError,
+    EngineUnavailableError,
+    InvalidArgumentError,
+    LaunchError,
+    NoSuchProcessError,
+    PermissionDeniedError,
+)
+from ..store import Flags, Mode, Ring, RingReader
+from ..store.format import c_writer_source
+from ..store.records import count_records
+from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
+from .base import Events, RecordOptions, RecordResult, Target, ThreadStats
+
+CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit test
+MIN_BUFFER = 8 * CHUNK
+
+_PRELUDE = """
+#include <gum/gumstalker.h>
+extern int bt_is_frida_code(uint64_t address);
+typedef guint8 uint8_t;
+typedef guint16 uint16_t;
+typedef guint32 uint32_t;
+typedef guint64 uint64_t;
+extern long syscall(long n, ...);
+extern int open(const char *path, int flags, ...);
+extern int close(int fd);
+extern int fcntl(int fd, int cmd, ...);
+extern long lseek(int fd, long offset, int whence);
+extern void *mmap(void *addr, unsigned long len, int prot, int flags, int fd, long off);
+extern int munmap(void *addr, unsigned long len);
+extern int getpid(void);
+struct bt_flock { short l_type; short l_whence; long l_start; long l_len; int l_pid; };
+static void bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns) {
+  long ts[2] = {timeout_ns / 1000000000L, timeout_ns % 1000000000L};
+  syscall(202 /* futex */, addr, 0 /* FUTEX_WAIT */, expected, ts, 0, 0);
+}
+static void bt_futex_wake(uint32_t *addr) {
+  syscall(202, addr, 1 /* FUTEX_WAKE */, 0x7fffffff, 0, 0, 0);
+}
+static void bt_notify(uint32_t pid, uint32_t sig) { syscall(62 /* kill */, pid, sig); }
+"""
+
+_FLAGS = {
+    Mode.WRAP: Flags.TRACE,
+    Mode.STREAM: Flags.TRACE | Flags.SIGNAL,
+    Mode.DROP: Flags.TRACE | Flags.DROP,
+}
+
+
+def agent_c_source() -> str:
+    body = resources.files(__package__).joinpath("stalker_agent.c").read_text()
+    return _PRELUDE + c_writer_source() + body
+
+
+def agent_script(params: dict[str, Any]) -> str:
+    import json
+
+    js = resources.files(__package__).joinpath("stalker_agent.js").read_text()
+    return f"const PARAMS = {json.dumps(params)};\n{js}"
+
+
+def resolve_program(name: str) -> Path:
+    """The executable `name` names, checked: one clear LaunchError otherwise."""
+    found = name if "/" in name else shutil.which(name)
+    if found is None:
+        raise LaunchError(f"{name}: command not found", hint="give a path or check PATH")
+    path = Path(found)
+    if not path.exists():
+        raise LaunchError(f"{name}: no such file")
+    if path.is_dir():
+        raise LaunchError(f"{name} is a directory")
+    if not os.access(path, os.X_OK):
+        raise LaunchError(f"{name}: permission denied (not executable)", hint=f"chmod +x {name}")
+    with open(path, "rb") as f:
+        head = f.read(20)
+    if head[:4] != b"\x7fELF":
+        hint = "to trace a script, trace its interpreter: branchtrace record -- sh SCRIPT"
+        raise LaunchError(f"{name} is not an ELF executable", hint=hint)
+    if head[4] != 2 or int.from_bytes(head[18:20], "little") != 62:
+        raise LaunchError(f"{name} is not an x86-64 program; branchtrace traces x86-64 only")
+    return path.resolve()
+
+
+def _traced_by_branchtrace(pid: int) -> str | None:
+    """A trace directory whose rings the process has mapped, if another branchtrace is
+    tracing it (the rings are the only visible trace of a Frida agent)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        name = os.path.basename(path)
+        if name.startswith("T") and name.endswith(".bts"):
+            return os.path.dirname(path)
+    return None
+
+
+def _check_attachable(pid: int) -> None:
+    if pid <= 0 or not Path(f"/proc/{pid}").exists():
+        raise NoSuchProcessError(f"no process with pid {pid}")
+    if pid == os.getpid():
+        raise InvalidArgumentError("branchtrace cannot trace itself")
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError as e:
+        raise PermissionDeniedError(f"cannot inspect process {pid}: {e.strerror}") from None
+    tracer = next(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith("TracerPid:")), 0
+    )
+    if tracer:
+        comm = (
+            Path(f"/proc/{tracer}/comm").read_text().strip()
+            if Path(f"/proc/{tracer}/comm").exists()
+            else "?"
+        )
+        raise AlreadyTracedError(
+            f"process {pid} is already traced by pid {tracer} ({comm})",
+            hint="detach the other tracer first",
+        )
+    other = _traced_by_branchtrace(pid)
+    if other:
+        raise AlreadyTracedError(
+            f"process {pid} is already traced by branchtrace into {other}",
+            hint="stop that recording first",
+        )
+
+
+def _frida_error(e: Exception, what: str) -> BranchtraceError:
+    if isinstance(e, frida.ProcessNotFoundError):
+        return NoSuchProcessError(f"{what}: no such process")
+    if isinstance(e, frida.PermissionDeniedError):
+        return PermissionDeniedError(
+            f"{what}: permission denied ({e})",
+            hint="run as root, or set kernel.yama.ptrace_scope=0",
+        )
+    if isinstance(e, frida.ExecutableNotFoundError):
+        return LaunchError(f"{what}: executable not found")
+    return EngineUnavailableError(f"{what}: Frida failed: {e}")
+
+
+class _Recording:
+    """The rings of one recording, their consumers, and the drain thread."""
+
+    def __init__(self, tracedir: TraceDir, options: RecordOptions, events: Events) -> None:
+        self.tracedir = tracedir
+        self.options = options
+        self.events = events
+        self.rings: dict[int, tuple[Ring, RingReader | None, int | None]] = {}
+        self.lock = threading.Lock()
+        self.script: frida.core.Script | None = None
+        self.errors: list[str] = []
+        self._done = threading.Event()
+        self._drainer: threading.Thread | None = None
+
+    def add_thread(self, tid: int) -> Path:
+        path = self.tracedir.ring_path(tid)
+        ring = Ring.create(
+            path,
+            self.options.buffer_size,
+            self.options.mode,
+            _FLAGS[self.options.mode],
+            tid=tid,
+            chunk_size=CHUNK,
+            populate=True,
+        )
+        reader = stream_fd = None
+        if self.options.mode != Mode.WRAP:
+            # the consumer exists before the writer: a full ring always has someone to wait for
+            reader = RingReader(ring, consume=True)
+            stream_fd = os.open(
+                self.tracedir.stream_path(tid),
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                0o644,
+            )
+        with self.lock:
+            self.rings[tid] = (ring, reader, stream_fd)
+        return path
+
+    def on_message(self, message: dict[str, Any], data: bytes | None) -> None:
+        if message.get("type") == "error":
+            self._error(f"agent: {message.get('description', message)}")
+            return
+        payload = message.get("payload") or {}
+        kind = payload.get("type")
+        if kind == "thread-start":
+            tid = int(payload["tid"])
+            try:
+                reply: dict[str, Any] = {"type": f"ring:{tid}", "path": str(self.add_thread(tid))}
+            except BranchtraceError as e:
+                self._error(f"thread {tid} not traced: {e}")
+                reply = {"type": f"ring:{tid}", "path": None}
+            assert self.script is not None
+            self.script.post(reply)
+        elif kind == "module":
+            self.tracedir.append_module(
+                ModuleEvent(
+                    payload["event"],
+                    int(payload["base"], 16),
+                    int(payload["size"]),
+                    payload["path"],
+                    time.time_ns(),
+                )
+            )
+        elif kind == "error":
+            self._error(str(payload.get("message")))
+
+    def _error(self, message: str) -> None:
+        if message not in self.errors:
+            self.errors.append(message)
+
+    def start_draining(self) -> None:
+        if self.options.mode == Mode.WRAP:
+            return
+        self._drainer = threading.Thread(target=self._drain_loop, name="bt-drain", daemon=True)
+        self._drainer.start()
+
+    def _drain_loop(self) -> None:
+        while not self._done.is_set():
+            if self._drain_once(final=False) == 0:
+                time.sleep(0.001)
+
+    def _drain_once(self, final: bool) -> int:
+        moved = 0
+        with self.lock:
+            rings = list(self.rings.values())
+        for _ring, reader, fd in rings:
+            if reader is not None and fd is not None:
+                moved += drain_to_file(reader, fd, final=final)
+        return moved
+
+    def finish(self) -> dict[int, ThreadStats]:
+        """Stop draining, take the last records (recovering past data_head), close."""
+        self._done.set()
+        if self._drainer is not None:
+            self._drainer.join()
+        self._drain_once(final=True)
+        stats = {}
+        with self.lock:
+            for tid, (ring, reader, fd) in self.rings.items():
+                lost = ring.lost_records
+                if reader is not None:
+                    reader.close()
+                if fd is not None:
+                    os.close(fd)
+                ring.close()
+                words, _ = self.tracedir.words(tid)
+                stats[tid] = ThreadStats(records=count_records(words), lost=lost)
+        return stats
+
+
+class StalkerEngine:
+    name = "stalker"
+
+    def record(
+        self, target: Target, options: RecordOptions, events: Events, stop: threading.Event
+    ) -> RecordResult:
+        size = 1 << (options.buffer_size.bit_length() - 1) if options.buffer_size > 0 else 0
+        if size < MIN_BUFFER:
+            raise InvalidArgumentError(
+                f"buffer size {options.buffer_size} is too small for the stalker engine",
+                hint=f"use at least {MIN_BUFFER // 1024}K",
+            )
+        options = RecordOptions(options.output, options.mode, size, options.duration)
+        program = resolve_program(target.argv[0]) if target.argv else None
+        if target.pid is not None:
+            _check_attachable(target.pid)
+        tracedir = TraceDir.create(options.output)
+        rec = _Recording(tracedir, options, events)
+        meta: dict[str, Any] = {
+            "engine": self.name,
+            "mode": options.mode.name.lower(),
+            "buffer_size": size,
+            "started_ns": time.time_ns(),
+            "argv": list(target.argv),
+            "executable": str(program) if program else None,
+            "attached": program is None,
+        }
+        started = False
+        try:
+            if program is not None:
+                result = self._spawn(program, target.argv, rec, meta, events, stop, options)
+            else:
+                assert target.pid is not None
+                result = self._attach(target.pid, rec, meta, events, stop, options)
+            started = True
+        finally:
+            if not started:
+                with contextlib.suppress(Exception):
+                    rec.finish()
+                tracedir.remove()
+        result.warnings += rec.errors
+        meta.update(
+            {
+                "ended_ns": time.time_ns(),
+                "pid": result.pid,
+                "exit_code": result.exit_code,
+                "signal": result.signal,
+                "detached": result.detached,
+                "warnings": result.warnings,
+                "threads": {str(t): s.__dict__ for t, s in result.threads.items()},
+            }
+        )
+        tracedir.write_meta(meta)
+        return result
+
+    # -- spawn -------------------------------------------------------------------------------
+
+    def _spawn(
+        self,
+        program: Path,
+        argv: tuple[str, ...],
+        rec: _Recording,
+        meta: dict[str, Any],
+        events: Events,
+        stop: threading.Event,
+        options: RecordOptions,
+    ) -> RecordResult:
+        device = frida.get_local_device()
+        try:
+            pid = device.spawn([str(program), *argv[1:]])
+        except frida.InvalidArgumentError as e:
+            raise LaunchError(f"{argv[0]}: cannot start: {e}") from None
+        except Exception as e:
+            raise _frida_error(e, argv[0]) from None
+        meta["pid"] = pid
+        rec.tracedir.write_meta(meta)
+        try:
+            session = device.attach(pid)
+            main_ring = rec.add_thread(pid)
+            script = session.create_script(
+                agent_script(
+                    {"cSource": agent_c_source(), "mainRing": str(main_ring), "spawn": True}
+                )
+            )
+            rec.script = script
+            script.on("message", rec.on_message)
+            script.load()
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            if isinstance(e, frida.InvalidArgumentError | frida.TransportError):
+                raise EngineUnavailableError(f"the agent failed to load: {e}") from None
+            if isinstance(e, Exception) and not isinstance(e, BranchtraceError):
+                raise _frida_error(e, argv[0]) from None
+            raise
+        replaced = threading.Event()
+        session.on(
+            "detached", lambda reason, crash: reason == "process-replaced" and replaced.set()
+        )
+        events.started(
+            f"recording {argv[0]} (pid {pid}) from main with the stalker engine, "
+            f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread, "
+            f"into {rec.tracedir.path}; Ctrl-C to stop"
+        )
+        rec.start_draining()
+        exited, status = _watch_child(pid)
+        device.resume(pid)
+        self._wait_child(pid, stop, options.duration, exited, status)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        result = RecordResult(rec.tracedir.path, pid)
+        if replaced.is_set():
+            result.warnings.append(
+                f"{argv[0]} called exec: the new program image was not traced "
+                "(TODO: re-instrument after exec)"
+            )
+        with contextlib.suppress(Exception):
+            session.detach()
+        result.threads = rec.finish()
+        if status:
+            if status[0].si_code == os.CLD_EXITED:
+                result.exit_code = status[0].si_status
+            else:
+                result.signal = status[0].si_status
+        return result
+
+    @staticmethod
+    def _wait_child(
+        pid: int,
+        stop: threading.Event,
+        duration: float | None,
+        exited: threading.Event,
+        status: list[os.waitid_result],
+    ) -> None:
+        deadline = None if duration is None else time.monotonic() + duration
+        interrupted_at = None
+        while not exited.wait(0.005):
+            now = time.monotonic()
+            if interrupted_at is None and (stop.is_set() or (deadline and now > deadline)):
+                # like perf record: stopping the recording of a spawned program ends it
+                interrupted_at = now
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGINT)
+            elif interrupted_at is not None and now - interrupted_at > 3:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
+    """Observe the child's end without reaping it: Frida's own child watch reaps it, and
+    whoever reaps first gets the status, so we wait with WNOWAIT from before it runs."""
+    exited = threading.Event()
+    status: list[os.waitid_result] = []
+    native: list[int] = []
+
+    def wait() -> None:
+        native.append(threading.get_native_id())
+        while True:
+            try:
+                res = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            except InterruptedError:
+                continue
+            except ChildProcessError:
+                break
+            if res is not None:
+                status.append(res)
+                break
+        exited.set()
+
+    threading.Thread(target=wait, name="bt-waitid", daemon=True).start()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:  # resume only once the waiter sleeps in waitid
+        if native:
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/self/task/{native[0]}/wchan").read_text() == "do_wait":
+                    break
+        time.sleep(0.0005)
+    return exited, status
+
+    # -- attach ------------------------------------------------------------------------------
+
+    def _attach(
+        self,
+        pid: int,
+        rec: _Recording,
+        meta: dict[str, Any],
+        events: Events,
+        stop: threading.Event,
+        options: RecordOptions,
+    ) -> RecordResult:
+        meta["pid"] = pid
+        try:
+            meta["executable"] = os.readlink(f"/proc/{pid}/exe")
+            meta["argv"] = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .decode(errors="replace")
+                .rstrip("\0")
+                .split("\0")
+            )
+        except OSError:
+            pass
+        rec.tracedir.write_meta(meta)
+        try:
+            session = frida.attach(pid)
+            script = session.create_script(
+                agent_script({"cSource": agent_c_source(), "mainRing": None, "spawn": False})
+            )
+            rec.script = script
+            script.on("message", rec.on_message)
+            script.load()
+            tids = script.exports_sync.threads()
+            paths = {str(tid): str(rec.add_thread(tid)) for tid in tids}
+        except BranchtraceError:
+            raise
+        except Exception as e:
+            raise _frida_error(e, f"pid {pid}") from None
+        gone = threading.Event()
+        session.on("detached", lambda reason, crash: gone.set())
+        events.started(
+            f"recording pid {pid} ({len(tids)} threads) with the stalker engine, "
+            f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread, "
+            f"into {rec.tracedir.path}; Ctrl-C to stop and detach"
+        )
+        rec.start_draining()
+        script.exports_sync.follow_all(paths)
+        deadline = None if options.duration is None else time.monotonic() + options.duration
+        while not stop.is_set() and not gone.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            stop.wait(0.01)
+        result = RecordResult(rec.tracedir.path, pid)
+        if not gone.is_set():
+            try:
+                far = script.exports_sync.stop().get("farBlocks", 0)
+                if far:
+                    result.warnings.append(f"{far} blocks above 2^47 were not traced")
+                session.detach()
+                result.detached = True
+            except Exception as e:
+                result.warnings.append(f"detaching failed: {e}")
+        result.threads = rec.finish()
+        return result
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):g} {unit}"
+    return f"{n} B"
+
+
+__all__ = ["StalkerEngine", "agent_c_source", "np"]

@@ -1,0 +1,236 @@
+/*
+ * The stalker engine's hot path, compiled inside the traced process by Frida's CModule.
+ *
+ * Python splices this file after a prelude (libc declarations, the bt_futex_* hooks), the
+ * generated BT_* definitions and bt_writer.h, so the layout has a single definition.
+ *
+ * Each executed block of code costs one 8-byte BLOCK record, written by a few inline
+ * instructions that Stalker compiles into the block itself:
+ *
+ *   lea    rsp, [rsp-128]         ; step over the red zone
+ *   push   rax
+ *   push   rcx
+ *   movabs rax, [&thread->wp]     ; the thread's write pointer
+ *   mov    rcx, RECORD            ; start | (last insn offset << 47), patched in at the end
+ *   mov    [rax], rcx
+ *   lea    rax, [rax+8]
+ *   movabs [&thread->wp], rax
+ *   movzx  ecx, ax                ; low 16 bits: zero exactly at a 64 KiB chunk boundary
+ *   jrcxz  slow
+ *   ...    pop rcx, pop rax, lea rsp, [rsp+128]
+ *
+ * None of it touches the flags (a block may start with a jcc that reads flags set by the
+ * block before), and the only branch is jrcxz.  The ring's data area is mapped 64 KiB
+ * aligned, so the chunk check is the movzx.  Once per 8192 records the slow path (a Stalker
+ * callout, which saves the whole CPU context) claims the next chunk through bt_writer.h:
+ * waiting for the host in stream mode, moving data_tail in wrap mode, or diverting the
+ * writes to a scratch chunk, counted as lost, in drop mode.
+ *
+ * data_head is published once per chunk.  The records after it are still found by a
+ * reader once this process is gone (the OFD writer lock dies with it): see docs/format.md,
+ * "a late reader".
+ */
+
+#define BT_CHUNK 65536
+
+typedef struct {
+  uint64_t wp;           /* must stay first: the inline code addresses it absolutely */
+  struct bt_writer w;
+  uint8_t *scratch;      /* 64 KiB-aligned chunk that takes writes while dropping */
+  int dropping;
+  int closed;
+  uint32_t tid;
+  uint64_t map_size;
+  uint8_t *reserve;
+  uint64_t reserve_size;
+  uint64_t far_blocks;   /* blocks compiled above 2^47, which a BLOCK word cannot hold */
+} BtThread;
+
+static uint8_t *align_up(uint8_t *p, uint64_t a) {
+  return (uint8_t *)(((uint64_t)p + a - 1) & ~(a - 1));
+}
+
+static uint64_t wp_position(BtThread *t) {
+  uint64_t chunk_start = t->w.claim_end - BT_CHUNK;
+  uint8_t *chunk_ptr = (uint8_t *)t->w.data + (chunk_start & t->w.mask);
+  return chunk_start + ((uint8_t *)t->wp - chunk_ptr);
+}
+
+/* Point wp at a claimed chunk (or the scratch chunk when drop mode must drop). */
+static void refill(BtThread *t) {
+  int ok;
+  if (t->closed) {
+    t->wp = (uint64_t)t->scratch;
+    return;
+  }
+  if (t->w.pending_lost)
+    ok = bt_flush_lost(&t->w, 1) == 0;
+  else
+    ok = bt_reserve(&t->w, 1) == 0;
+  if (!ok) {
+    t->dropping = 1;
+    t->wp = (uint64_t)t->scratch;
+    return;
+  }
+  t->dropping = 0;
+  t->wp = (uint64_t)t->w.data + (t->w.head & t->w.mask);
+}
+
+static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
+  BtThread *t = user_data;
+  if (t->dropping || t->closed) {
+    if (!t->closed)
+      bt_lose(&t->w, ((uint64_t)t->wp - (uint64_t)t->scratch) / 8);
+  } else {
+    t->w.head = t->w.claim_end;
+  }
+  refill(t);
+}
+
+static int bt_consumer_alive(struct bt_writer *w) {
+  struct bt_flock lk = {1 /* F_WRLCK */, 0 /* SEEK_SET */, 1, 1, 0};
+  return fcntl(w->fd, 36 /* F_OFD_GETLK */, &lk) == 0 && lk.l_type != 2 /* F_UNLCK */;
+}
+
+/* Thread state lives in its own mapping, never freed: blocks Stalker compiled for a
+   thread point at it and may still run briefly after the agent is unloaded. */
+BtThread *bt_thread_alloc(void) {
+  uint8_t *p = mmap(NULL, 4096, 3 /* PROT_READ|WRITE */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+  return p == (uint8_t *)-1 ? NULL : (BtThread *)p;
+}
+
+/* In a forked child: stop writing into the parent's rings and drop their descriptors
+   (the parent keeps the writer lock). */
+void bt_thread_forget(BtThread *t) {
+  if (t->closed)
+    return;
+  t->closed = 1;
+  t->wp = (uint64_t)t->scratch;
+  close(t->w.fd);
+}
+
+/* Map the store at `path` for thread `tid` and take the writer lock.  0, or -errno. */
+int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
+  int fd = open(path, 2 /* O_RDWR */ | 02000000 /* O_CLOEXEC */);
+  if (fd < 0)
+    return -1;
+  struct bt_flock lk = {1 /* F_WRLCK */, 0 /* SEEK_SET */, 0, 1, 0};
+  if (fcntl(fd, 37 /* F_OFD_SETLK */, &lk) != 0) {
+    close(fd);
+    return -16; /* EBUSY */
+  }
+  uint64_t size = (uint64_t)lseek(fd, 0, 2 /* SEEK_END */);
+  /* Reserve room to place the data area (which starts 4096 bytes into the file) on a
+     64 KiB boundary, then map the file there. */
+  uint64_t reserve_size = size + 2 * BT_CHUNK;
+  uint8_t *reserve = mmap(NULL, reserve_size, 0 /* PROT_NONE */,
+                          0x22 | 0x4000 /* MAP_PRIVATE|ANONYMOUS|NORESERVE */, -1, 0);
+  if (reserve == (uint8_t *)-1) {
+    close(fd);
+    return -12;
+  }
+  uint8_t *base = align_up(reserve + BT_HEADER_SIZE, BT_CHUNK) - BT_HEADER_SIZE;
+  uint8_t *map = mmap(base, size, 3 /* PROT_READ|WRITE */,
+                      0x01 | 0x10 | 0x8000 /* MAP_SHARED|FIXED|POPULATE */, fd, 0);
+  if (map != base) {
+    munmap(reserve, reserve_size);
+    close(fd);
+    return -12;
+  }
+  if (bt_writer_init(&t->w, map, fd, 0, (uint32_t)getpid()) || t->w.chunk != BT_CHUNK) {
+    munmap(reserve, reserve_size);
+    close(fd);
+    return -22;
+  }
+  uint8_t *scratch_area = mmap(NULL, 2 * BT_CHUNK, 3, 0x22, -1, 0);
+  t->scratch = align_up(scratch_area, BT_CHUNK);
+  t->tid = tid;
+  t->dropping = 0;
+  t->closed = 0;
+  t->map_size = size;
+  t->reserve = reserve;
+  t->reserve_size = reserve_size;
+  BT_HDR32(&t->w, BT_OFF_TID) = tid;
+  refill(t);
+  return 0;
+}
+
+/* Publish everything and let go of the ring (the thread exits, or tracing stops). */
+void bt_thread_close(BtThread *t) {
+  if (t->closed)
+    return;
+  if (t->dropping)
+    bt_lose(&t->w, ((uint64_t)t->wp - (uint64_t)t->scratch) / 8);
+  else
+    t->w.head = wp_position(t);
+  t->closed = 1;
+  t->wp = (uint64_t)t->scratch;
+  bt_writer_close(&t->w);
+  close(t->w.fd); /* releases the writer lock */
+}
+
+/* Publish data_head without closing: lets a live reader see everything written so far. */
+void bt_thread_flush(BtThread *t) {
+  if (!t->closed && !t->dropping) {
+    t->w.head = wp_position(t);
+    bt_writer_flush(&t->w);
+  }
+}
+
+static void put_bytes(GumX86Writer *cw, const uint8_t *bytes, unsigned n) {
+  gum_x86_writer_put_bytes(cw, bytes, n);
+}
+
+void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data) {
+  BtThread *t = user_data;
+  GumX86Writer *cw = output->writer.x86;
+  const cs_insn *insn;
+  uint8_t *record_imm = NULL;
+  uint64_t start = 0, last = 0;
+  uint64_t wp_addr = (uint64_t)&t->wp;
+
+  int first = 1;
+  while (gum_stalker_iterator_next(iterator, &insn)) {
+    if (first && bt_is_frida_code(insn->address)) {
+      /* Frida's own code (the hook that started us, its trampolines): not the program */
+    } else if (first && (insn->address >> BT_BLOCK_ADDR_BITS) != 0) {
+      /* TODO(LA57): only with 5-level paging; counted and reported, never silent */
+      t->far_blocks++;
+    } else if (first) {
+      static const uint8_t movabs_load[] = {0x48, 0xa1};
+      static const uint8_t movabs_store[] = {0x48, 0xa3};
+      static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc8, 0xe3, 0x05};
+      start = insn->address;
+      gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RSP, GUM_X86_RSP, -128);
+      gum_x86_writer_put_push_reg(cw, GUM_X86_RAX);
+      gum_x86_writer_put_push_reg(cw, GUM_X86_RCX);
+      put_bytes(cw, movabs_load, 2);
+      put_bytes(cw, (uint8_t *)&wp_addr, 8);
+      record_imm = (uint8_t *)gum_x86_writer_cur(cw) + 2;
+      gum_x86_writer_put_mov_reg_u64(cw, GUM_X86_RCX, 0x1122334455667788ULL);
+      gum_x86_writer_put_mov_reg_ptr_reg(cw, GUM_X86_RAX, GUM_X86_RCX);
+      gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RAX, GUM_X86_RAX, 8);
+      put_bytes(cw, movabs_store, 2);
+      put_bytes(cw, (uint8_t *)&wp_addr, 8);
+      put_bytes(cw, movzx_jrcxz, 5); /* jrcxz over the 5-byte jmp below */
+      gconstpointer done = record_imm;
+      gum_x86_writer_put_jmp_near_label(cw, done);
+      gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
+      gum_x86_writer_put_label(cw, done);
+      gum_x86_writer_put_pop_reg(cw, GUM_X86_RCX);
+      gum_x86_writer_put_pop_reg(cw, GUM_X86_RAX);
+      gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RSP, GUM_X86_RSP, 128);
+    }
+    first = 0;
+    last = insn->address;
+    gum_stalker_iterator_keep(iterator);
+  }
+  /* Stalker ends a block at every branch, so it spans a few dozen bytes: the offset of
+     its last instruction always fits the 16 bits of a BLOCK word. */
+  if (record_imm != NULL)
+    *(uint64_t *)record_imm = start | ((last - start) << BT_BLOCK_ADDR_BITS);
+}
+
+uint64_t bt_thread_far_blocks(BtThread *t) {
+  return t->far_blocks;
+}

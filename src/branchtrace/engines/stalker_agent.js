@@ -1,0 +1,168 @@
+'use strict';
+// The stalker engine's agent.  Everything per branch happens in the CModule (see
+// stalker_agent.c); this script only sets threads up and reports events to the host.
+// PARAMS is prepended by the host: {cSource, mainRing, spawn}.
+
+const libc = (name) => Module.getGlobalExportByName(name);
+// Asked once per compiled block (never per execution): blocks of Frida's own code, such as
+// the hook that starts tracing at main, are not the program's and get no record.
+const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
+  'int', ['pointer']);
+const cm = new CModule(PARAMS.cSource, {
+  bt_is_frida_code: isFridaCode,
+  open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
+  mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
+});
+const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
+const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
+const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
+const threadFlush = new NativeFunction(cm.bt_thread_flush, 'void', ['pointer']);
+const threadForget = new NativeFunction(cm.bt_thread_forget, 'void', ['pointer']);
+const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
+
+const threads = new Map(); // tid -> BtThread*
+let tracing = false;
+let forked = false;
+
+function openRing(tid, path) {
+  const t = threadAlloc();
+  const rc = threadOpen(t, Memory.allocUtf8String(path), tid);
+  if (rc !== 0) {
+    send({ type: 'error', tid, message: `cannot open the ring ${path} (error ${rc})` });
+    return null;
+  }
+  threads.set(tid, t);
+  return t;
+}
+
+function follow(tid, path) {
+  const t = openRing(tid, path);
+  if (t !== null) {
+    Stalker.follow(tid, { transform: cm.transform, data: t });
+  }
+}
+
+// A new thread asks the host for its ring, waiting for the answer on its own thread.
+function followNewThread() {
+  const tid = Process.getCurrentThreadId();
+  send({ type: 'thread-start', tid });
+  let reply = null;
+  recv(`ring:${tid}`, (m) => { reply = m; }).wait();
+  if (reply.path) {
+    follow(tid, reply.path);
+  }
+}
+
+function findMain() {
+  const mod = Process.mainModule;
+  const sym = mod.enumerateSymbols().find((s) => s.name === 'main');
+  if (sym) {
+    return sym.address;
+  }
+  // Stripped: _start passes main to __libc_start_main in rdi.
+  const eEntry = ptr(mod.base.add(0x18).readU64().toString()); // ELF header e_entry
+  const entry = eEntry.compare(mod.base) < 0 ? mod.base.add(eEntry) : eEntry; // PIE: relative
+  let insn = Instruction.parse(entry);
+  for (let i = 0; i < 24 && insn !== null; i++) {
+    const ops = insn.operands;
+    if (ops.length === 2 && ops[0].type === 'reg' && ops[0].value === 'rdi') {
+      if (insn.mnemonic === 'lea' && ops[1].type === 'mem' && ops[1].value.base === 'rip') {
+        return insn.next.add(ops[1].value.disp);
+      }
+      if (insn.mnemonic === 'mov' && ops[1].type === 'imm') {
+        return ptr(ops[1].value.toString());
+      }
+    }
+    insn = Instruction.parse(insn.next);
+  }
+  return null;
+}
+
+function sendModule(event, m) {
+  send({ type: 'module', event, base: m.base.toString(), size: m.size, path: m.path, name: m.name });
+}
+
+Process.attachModuleObserver({
+  onAdded(m) { sendModule('load', m); },
+  onRemoved(m) { sendModule('unload', m); },
+});
+
+Process.attachThreadObserver({
+  onAdded(thread) {
+    if (tracing && !forked && thread.id === Process.getCurrentThreadId()) {
+      followNewThread();
+    }
+  },
+  onRemoved(thread) {
+    const t = threads.get(thread.id);
+    if (t !== undefined) {
+      threadClose(t);
+      threads.delete(thread.id);
+      send({ type: 'thread-exit', tid: thread.id });
+    }
+  },
+});
+
+// fork(): the child must not write into the parent's rings.
+Interceptor.attach(libc('fork'), {
+  onLeave(retval) {
+    if (retval.toInt32() === 0) {
+      forked = true;
+      Stalker.unfollow();
+      for (const t of threads.values()) {
+        threadForget(t);
+      }
+      threads.clear();
+    }
+  },
+});
+
+if (PARAMS.spawn) {
+  const main = findMain();
+  if (main === null) {
+    send({ type: 'error', message: 'cannot find main in the executable' });
+  } else {
+    let started = false;
+    Interceptor.attach(main, {
+      onEnter() {
+        if (!started) {
+          started = true;
+          tracing = true;
+          follow(Process.getCurrentThreadId(), PARAMS.mainRing);
+        }
+      },
+    });
+  }
+}
+
+rpc.exports = {
+  threads() {
+    return Process.enumerateThreads().map((t) => t.id);
+  },
+  followAll(paths) {
+    tracing = true;
+    for (const [tid, path] of Object.entries(paths)) {
+      follow(parseInt(tid, 10), path);
+    }
+  },
+  flush() {
+    for (const t of threads.values()) {
+      threadFlush(t);
+    }
+  },
+  stop() {
+    tracing = false;
+    for (const tid of threads.keys()) {
+      Stalker.unfollow(tid);
+    }
+    Stalker.flush();
+    Stalker.garbageCollect();
+    let far = 0;
+    for (const t of threads.values()) {
+      far += threadFarBlocks(t).toNumber();
+      threadClose(t);
+    }
+    threads.clear();
+    return { farBlocks: far };
+  },
+};

@@ -1,0 +1,174 @@
+"""A recording on disk: the directory `branchtrace record` writes and every view reads.
+
+    DIR/meta.json        what was recorded: engine, mode, program, pid, how it ended, threads
+    DIR/modules.jsonl    module loads and unloads, in order (never lost to wrap-around)
+    DIR/T<tid>.bts       one store per thread (docs/format.md)
+    DIR/T<tid>.stream    stream mode: the words drained from that thread's ring, oldest first
+
+A thread's record stream is its .stream file followed by what is left in its ring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreError
+from .ring import Ring, RingReader, recovered_head
+
+META = "meta.json"
+MODULES = "modules.jsonl"
+_OURS = (META, MODULES)
+
+
+@dataclass(frozen=True)
+class ModuleEvent:
+    event: str  #: "load" or "unload"
+    base: int
+    size: int
+    path: str
+    time_ns: int
+
+
+class TraceDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    # -- writing ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str]) -> TraceDir:
+        """Make `path` an empty trace directory.  An earlier recording there is replaced;
+        a directory holding anything else is refused."""
+        path = Path(path)
+        if path.exists():
+            if not path.is_dir():
+                raise StoreError(
+                    f"{path} exists and is not a directory", hint="choose another output with -o"
+                )
+            entries = list(path.iterdir())
+            foreign = [e.name for e in entries if not _is_ours(e.name)]
+            if foreign:
+                raise StoreError(
+                    f"{path} is not a branchtrace recording (it holds {foreign[0]!r})",
+                    hint="choose another output with -o",
+                )
+            for e in entries:
+                e.unlink()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / ".write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreError(
+                f"cannot write to {path}: {e.strerror}",
+                hint="choose a writable output directory with -o",
+            ) from None
+        return cls(path)
+
+    def remove(self) -> None:
+        """Undo create(): for a recording that never started."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def ring_path(self, tid: int) -> Path:
+        return self.path / f"T{tid}.bts"
+
+    def stream_path(self, tid: int) -> Path:
+        return self.path / f"T{tid}.stream"
+
+    def write_meta(self, meta: dict[str, Any]) -> None:
+        tmp = self.path / f".{META}.tmp"
+        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+        tmp.replace(self.path / META)
+
+    def append_module(self, event: ModuleEvent) -> None:
+        with open(self.path / MODULES, "a") as f:
+            f.write(json.dumps(event.__dict__) + "\n")
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> TraceDir:
+        path = Path(path)
+        if not (path / META).is_file():
+            if not path.exists():
+                raise StoreError(
+                    f"{path}: no such recording",
+                    hint="record one first: branchtrace record -- PROG",
+                )
+            raise StoreError(f"{path} is not a branchtrace recording (no {META})")
+        return cls(path)
+
+    def meta(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads((self.path / META).read_text()))
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{self.path / META}: unreadable ({e})") from None
+
+    def modules(self) -> list[ModuleEvent]:
+        p = self.path / MODULES
+        if not p.exists():
+            return []
+        return [ModuleEvent(**json.loads(line)) for line in p.read_text().splitlines() if line]
+
+    def threads(self) -> list[int]:
+        return sorted(int(p.stem[1:]) for p in self.path.glob("T*.bts"))
+
+    def words(self, tid: int) -> tuple[np.ndarray, int]:
+        """The thread's whole record stream as words, and the stream position of the first.
+
+        Stream mode: the drained words, then the ring's rest.  Wrap mode: the ring's tail.
+        """
+        parts = []
+        stream = self.stream_path(tid)
+        with Ring.open(self.ring_path(tid)) as ring:
+            rest, pos = RingReader(ring).read_words()
+        if stream.exists() and stream.stat().st_size:
+            drained = np.fromfile(stream, dtype="<u8")
+            if pos != drained.size * 8:
+                raise StoreError(
+                    f"{stream}: holds {drained.size * 8} bytes but the ring continues at "
+                    f"position {pos}: the recording is incomplete"
+                )
+            parts.append(drained)
+            pos = 0
+        parts.append(rest)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0], pos
+
+
+def _is_ours(name: str) -> bool:
+    return (
+        name in _OURS
+        or name.startswith(".")
+        or (name.startswith("T") and name.endswith((".bts", ".stream")))
+    )
+
+
+def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> int:
+    """Append what the consumer `reader` can take from its ring to `fd`, straight from the
+    shared mapping, and release it to the writer.  Returns bytes moved.
+
+    `final`: the writer is gone; also take the records it wrote past data_head.
+    """
+    ring = reader.ring
+    head = recovered_head(ring) if final else ring.head
+    tail = ring.tail
+    if head <= tail:
+        return 0
+    mask = ring.data_size - 1
+    view = memoryview(ring._data).cast("B")
+    start, end = tail & mask, head & mask
+    pieces = [view[start:end]] if end > start else [view[start:], view[:end]]
+    for piece in pieces:
+        written = 0
+        while written < len(piece):
+            written += os.write(fd, piece[written:])
+    reader.advance(head)
+    return head - tail
