@@ -79,13 +79,14 @@ def decode_blocks(starts: np.ndarray, lasts: np.ndarray, modules: ModuleMap) -> 
 
 
 def thread_branches(trace: TraceDir, tid: int) -> np.ndarray:
-    """All taken branches of one thread of a recording.  A LOST record breaks the chain:
-    no branch is invented across a gap."""
+    """All taken branches of one thread of a recording.  LOST and GAP records break the
+    chain: no branch is invented across them."""
     words, pos = trace.words(tid)
     recs = parse_words(words, pos)
     modules = ModuleMap([(m.base, m.size, m.path) for m in trace.modules() if m.event == "load"])
     blocks = recs["type"] == RecordType.BLOCK
-    segment = np.cumsum(recs["type"] == RecordType.LOST)[blocks]
+    breaks = (recs["type"] == RecordType.LOST) | (recs["type"] == RecordType.GAP)
+    segment = np.cumsum(breaks)[blocks]
     starts, lasts = recs["a"][blocks], recs["b"][blocks]
     parts = []
     for s in np.unique(segment):

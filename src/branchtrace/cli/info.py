@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from rich.table import Table
 from ..errors import StoreError
 from ..store import Ring, RingReader, recovered_head
 from ..store.format import WriterState
+from ..store.records import count_records
+from ..store.tracedir import META, TraceDir
 
 
 def find_stores(path: Path) -> list[Path]:
@@ -72,16 +75,64 @@ def _human(n: int) -> str:
     return f"{size:.4g} GiB"
 
 
+def recording_summary(path: Path) -> dict[str, Any]:
+    """What meta.json says of a recording, with per-thread counts from the data itself."""
+    trace = TraceDir.open(path)
+    meta = trace.meta()
+    threads = {}
+    for tid in trace.threads():
+        words, _ = trace.words(tid)
+        threads[str(tid)] = count_records(words)
+    meta["records_per_thread"] = threads
+    meta["modules"] = len([m for m in trace.modules() if m.event == "load"])
+    return meta
+
+
+def _ending(meta: dict[str, Any]) -> str:
+    if meta.get("signal"):
+        try:
+            return f"killed by {signal.Signals(meta['signal']).name}"
+        except ValueError:
+            return f"killed by signal {meta['signal']}"
+    if meta.get("exit_code") is not None:
+        return f"exited with status {meta['exit_code']}"
+    if meta.get("detached"):
+        return "detached, left running"
+    if "ended_ns" not in meta:
+        return "recording did not finish (the recorder was killed); rings recovered below"
+    return "ended"
+
+
 @click.command()
 @click.argument("path", type=click.Path(path_type=Path), default="branchtrace.data")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object per store")
+@click.option(
+    "--json", "as_json", is_flag=True, help="JSON: the recording, then one object per store"
+)
 def info(path: Path, as_json: bool) -> None:
-    """What PATH (a trace directory or one store file) holds."""
+    """What PATH (a recording directory or one store file) holds."""
+    meta = recording_summary(path) if (path / META).is_file() else None
     rows = [summarize(p) for p in find_stores(path)]
     if as_json:
+        if meta is not None:
+            click.echo(json.dumps(meta))
         for row in rows:
             click.echo(json.dumps(row))
         return
+    out = Console(highlight=False, soft_wrap=True)
+    if meta is not None:
+        what = " ".join(meta.get("argv") or []) or f"pid {meta.get('pid')}"
+        out.print(f"{what}  (pid {meta.get('pid')}): {_ending(meta)}", markup=False)
+        total = sum(meta["records_per_thread"].values())
+        out.print(
+            f"engine {meta.get('engine')}, {meta.get('mode')} mode, "
+            f"{_human(int(meta.get('buffer_size', 0)))} per thread; "
+            f"{len(meta['records_per_thread'])} thread(s), {total:,} records, "
+            f"{meta['modules']} modules",
+            markup=False,
+        )
+        for w in meta.get("warnings") or []:
+            out.print(f"warning: {w}", markup=False)
+    per_thread = meta["records_per_thread"] if meta else {}
     table = Table(box=None, header_style="bold")
     for col in ("store", "tid", "mode", "ring", "records", "lost", "writer"):
         table.add_column(col, justify="right" if col in ("records", "lost", "tid") else "left")
@@ -94,8 +145,8 @@ def info(path: Path, as_json: bool) -> None:
             str(r["tid"] or "-"),
             str(r["mode"]),
             _human(int(r["ring_bytes"])),
-            f"{r['records']:,}",
+            f"{per_thread.get(str(r['tid']), r['records']):,}",
             f"{r['lost']:,}",
             writer,
         )
-    Console(highlight=False).print(table)
+    out.print(table)

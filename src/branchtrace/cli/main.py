@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 
 from ..errors import BranchtraceError
-from . import demo, info
+from . import demo, info, record
 
 err = Console(stderr=True, highlight=False)
 
@@ -21,6 +21,7 @@ def cli() -> None:
 
 cli.add_command(info.info)
 cli.add_command(demo.demo)
+cli.add_command(record.record)
 
 
 def main(argv: list[str] | None = None) -> None:

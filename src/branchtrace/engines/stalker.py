@@ -37,12 +37,14 @@ from ..store.format import c_writer_source
 from ..store.records import count_records
 from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
 from .base import Events, RecordOptions, RecordResult, Target, ThreadStats
+from .procevents import ExitWatcher, describe
 
 CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit test
 MIN_BUFFER = 8 * CHUNK
 
 _PRELUDE = """
 #include <gum/gumstalker.h>
+#include <gum/guminterceptor.h>
 extern int bt_is_frida_code(uint64_t address);
 typedef guint8 uint8_t;
 typedef guint16 uint16_t;
@@ -96,7 +98,7 @@ def resolve_program(name: str) -> Path:
         raise LaunchError(f"{name}: no such file")
     if path.is_dir():
         raise LaunchError(f"{name} is a directory")
-    if not os.access(path, os.X_OK):
+    if not os.access(path, os.X_OK) or not path.stat().st_mode & 0o111:  # root passes access()
         raise LaunchError(f"{name}: permission denied (not executable)", hint=f"chmod +x {name}")
     with open(path, "rb") as f:
         head = f.read(20)
@@ -175,8 +177,9 @@ class _Recording:
         self.events = events
         self.rings: dict[int, tuple[Ring, RingReader | None, int | None]] = {}
         self.lock = threading.Lock()
-        self.script: frida.core.Script | None = None
+        self.script: Any = None  # frida.core.Script
         self.errors: list[str] = []
+        self.ready = threading.Event()
         self._done = threading.Event()
         self._drainer: threading.Thread | None = None
 
@@ -204,13 +207,16 @@ class _Recording:
             self.rings[tid] = (ring, reader, stream_fd)
         return path
 
-    def on_message(self, message: dict[str, Any], data: bytes | None) -> None:
+    def on_message(self, message: Any, data: bytes | None) -> None:
         if message.get("type") == "error":
             self._error(f"agent: {message.get('description', message)}")
+            self.ready.set()
             return
         payload = message.get("payload") or {}
         kind = payload.get("type")
-        if kind == "thread-start":
+        if kind == "ready":
+            self.ready.set()
+        elif kind == "thread-start":
             tid = int(payload["tid"])
             try:
                 reply: dict[str, Any] = {"type": f"ring:{tid}", "path": str(self.add_thread(tid))}
@@ -235,6 +241,12 @@ class _Recording:
     def _error(self, message: str) -> None:
         if message not in self.errors:
             self.errors.append(message)
+
+    def check_ready(self) -> None:
+        """The agent set itself up, or the recording cannot start."""
+        if not self.ready.wait(30) or self.errors:
+            why = self.errors[0] if self.errors else "no answer from the agent"
+            raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
 
     def start_draining(self) -> None:
         if self.options.mode == Mode.WRAP:
@@ -363,6 +375,7 @@ class StalkerEngine:
             rec.script = script
             script.on("message", rec.on_message)
             script.load()
+            rec.check_ready()
         except BaseException as e:
             with contextlib.suppress(Exception):
                 os.kill(pid, signal.SIGKILL)
@@ -373,9 +386,12 @@ class StalkerEngine:
                 raise _frida_error(e, argv[0]) from None
             raise
         replaced = threading.Event()
-        session.on(
-            "detached", lambda reason, crash: reason == "process-replaced" and replaced.set()
-        )
+
+        def on_detached(reason: str, crash: object) -> None:
+            if reason == "process-replaced":
+                replaced.set()
+
+        session.on("detached", on_detached)
         events.started(
             f"recording {argv[0]} (pid {pid}) from main with the stalker engine, "
             f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread, "
@@ -383,6 +399,7 @@ class StalkerEngine:
         )
         rec.start_draining()
         exited, status = _watch_child(pid)
+        watcher = ExitWatcher()
         device.resume(pid)
         self._wait_child(pid, stop, options.duration, exited, status)
         with contextlib.suppress(ChildProcessError):
@@ -396,11 +413,17 @@ class StalkerEngine:
         with contextlib.suppress(Exception):
             session.detach()
         result.threads = rec.finish()
-        if status:
+        wait_status = watcher.status(pid, timeout=2) if watcher.available else None
+        watcher.close()
+        if wait_status is not None:
+            result.exit_code, result.signal = describe(wait_status)
+        elif status:  # without root: waitid, when it won the race against Frida's reaper
             if status[0].si_code == os.CLD_EXITED:
                 result.exit_code = status[0].si_status
             else:
                 result.signal = status[0].si_status
+        else:
+            result.warnings.append("the program's exit status could not be observed")
         return result
 
     @staticmethod
@@ -423,38 +446,6 @@ class StalkerEngine:
             elif interrupted_at is not None and now - interrupted_at > 3:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-
-
-def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
-    """Observe the child's end without reaping it: Frida's own child watch reaps it, and
-    whoever reaps first gets the status, so we wait with WNOWAIT from before it runs."""
-    exited = threading.Event()
-    status: list[os.waitid_result] = []
-    native: list[int] = []
-
-    def wait() -> None:
-        native.append(threading.get_native_id())
-        while True:
-            try:
-                res = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            except InterruptedError:
-                continue
-            except ChildProcessError:
-                break
-            if res is not None:
-                status.append(res)
-                break
-        exited.set()
-
-    threading.Thread(target=wait, name="bt-waitid", daemon=True).start()
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:  # resume only once the waiter sleeps in waitid
-        if native:
-            with contextlib.suppress(OSError):
-                if Path(f"/proc/self/task/{native[0]}/wchan").read_text() == "do_wait":
-                    break
-        time.sleep(0.0005)
-    return exited, status
 
     # -- attach ------------------------------------------------------------------------------
 
@@ -488,6 +479,7 @@ def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
             rec.script = script
             script.on("message", rec.on_message)
             script.load()
+            rec.check_ready()
             tids = script.exports_sync.threads()
             paths = {str(tid): str(rec.add_thread(tid)) for tid in tids}
         except BranchtraceError:
@@ -495,7 +487,11 @@ def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
         except Exception as e:
             raise _frida_error(e, f"pid {pid}") from None
         gone = threading.Event()
-        session.on("detached", lambda reason, crash: gone.set())
+
+        def on_detached(reason: str, crash: object) -> None:
+            gone.set()
+
+        session.on("detached", on_detached)
         events.started(
             f"recording pid {pid} ({len(tids)} threads) with the stalker engine, "
             f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread, "
@@ -520,6 +516,38 @@ def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
                 result.warnings.append(f"detaching failed: {e}")
         result.threads = rec.finish()
         return result
+
+
+def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
+    """Observe the child's end without reaping it: Frida's own child watch reaps it, and
+    whoever reaps first gets the status, so we wait with WNOWAIT from before it runs."""
+    exited = threading.Event()
+    status: list[os.waitid_result] = []
+    native: list[int] = []
+
+    def wait() -> None:
+        native.append(threading.get_native_id())
+        while True:
+            try:
+                res = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            except InterruptedError:
+                continue
+            except ChildProcessError:
+                break
+            if res is not None:
+                status.append(res)
+                break
+        exited.set()
+
+    threading.Thread(target=wait, name="bt-waitid", daemon=True).start()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:  # resume only once the waiter sleeps in waitid
+        if native:
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/self/task/{native[0]}/wchan").read_text() == "do_wait":
+                    break
+        time.sleep(0.0005)
+    return exited, status
 
 
 def _human(n: int) -> str:

@@ -46,6 +46,23 @@ typedef struct {
   uint64_t far_blocks;   /* blocks compiled above 2^47, which a BLOCK word cannot hold */
 } BtThread;
 
+#define BT_MAX_THREADS 4096
+
+/* Process-wide state in writable memory the host passes in (CModule globals are
+   read-only). */
+typedef struct {
+  uint32_t pid;          /* the traced process; any other pid is a forked child */
+  int nthreads;
+  BtThread *threads[BT_MAX_THREADS];
+} BtState;
+
+extern uint8_t bt_state[];
+#define STATE ((BtState *)bt_state)
+
+static int in_forked_child(void) {
+  return (uint32_t)getpid() != STATE->pid;
+}
+
 static uint8_t *align_up(uint8_t *p, uint64_t a) {
   return (uint8_t *)(((uint64_t)p + a - 1) & ~(a - 1));
 }
@@ -152,6 +169,9 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
   t->reserve_size = reserve_size;
   BT_HDR32(&t->w, BT_OFF_TID) = tid;
   refill(t);
+  int slot = g_atomic_int_add(&STATE->nthreads, 1);
+  if (slot < BT_MAX_THREADS)
+    STATE->threads[slot] = t;
   return 0;
 }
 
@@ -177,6 +197,54 @@ void bt_thread_flush(BtThread *t) {
   }
 }
 
+static BtThread *current_thread(void) {
+  uint32_t tid = (uint32_t)syscall(186 /* gettid */);
+  int n = STATE->nthreads < BT_MAX_THREADS ? STATE->nthreads : BT_MAX_THREADS;
+  for (int i = 0; i < n; i++)
+    if (STATE->threads[i] != NULL && STATE->threads[i]->tid == tid && !STATE->threads[i]->closed)
+      return STATE->threads[i];
+  return NULL;
+}
+
+/* Mark that the thread is about to run untraced code (a GAP record). */
+void bt_thread_gap(BtThread *t, uint32_t reason) {
+  if (t->closed)
+    return;
+  if (t->dropping)
+    bt_lose(&t->w, ((uint64_t)t->wp - (uint64_t)t->scratch) / 8);
+  else
+    t->w.head = wp_position(t);
+  uint64_t gap = bt_escape(BT_RECORDTYPE_GAP, 0, reason);
+  bt_write(&t->w, &gap, 1);
+  refill(t);
+}
+
+/* fork(): Frida Stalker cannot take a thread through fork() (the child dies at once), so
+   the host's before-fork callback writes a GAP record and unfollows the thread, fork()
+   runs natively, and afterwards the parent follows the thread again while the child lets
+   go of every ring.  No JavaScript may run in a forked child (the agent's lock may be
+   held by a thread the child does not have), so these hooks are C and only call the host
+   back in the traced process itself. */
+extern void bt_before_fork(void);
+extern void bt_after_fork(void);
+
+void bt_on_fork_enter(GumInvocationContext *ic) {
+  if (!in_forked_child() && current_thread() != NULL)
+    bt_before_fork();
+}
+
+void bt_on_fork_leave(GumInvocationContext *ic) {
+  if ((gssize)gum_invocation_context_get_return_value(ic) == 0) {
+    int n = STATE->nthreads < BT_MAX_THREADS ? STATE->nthreads : BT_MAX_THREADS;
+    for (int i = 0; i < n; i++)
+      if (STATE->threads[i] != NULL)
+        bt_thread_forget(STATE->threads[i]);
+    return;
+  }
+  if (!in_forked_child())
+    bt_after_fork();
+}
+
 static void put_bytes(GumX86Writer *cw, const uint8_t *bytes, unsigned n) {
   gum_x86_writer_put_bytes(cw, bytes, n);
 }
@@ -190,6 +258,11 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   uint64_t wp_addr = (uint64_t)&t->wp;
 
   int first = 1;
+  if (in_forked_child()) { /* a forked child runs on, unrecorded */
+    while (gum_stalker_iterator_next(iterator, &insn))
+      gum_stalker_iterator_keep(iterator);
+    return;
+  }
   while (gum_stalker_iterator_next(iterator, &insn)) {
     if (first && bt_is_frida_code(insn->address)) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */

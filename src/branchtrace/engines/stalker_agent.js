@@ -8,8 +8,31 @@ const libc = (name) => Module.getGlobalExportByName(name);
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
+const state = Memory.alloc(8 + 8 * 4096); // BtState in stalker_agent.c
+state.writeU32(Process.id);
+state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
+const GAP_FORK = 1;
+const forking = new Set(); // tids unfollowed around fork()
+const beforeFork = new NativeCallback(() => {
+  const tid = Process.getCurrentThreadId();
+  const t = threads.get(tid);
+  if (t !== undefined) {
+    threadGap(t, GAP_FORK);
+    Stalker.unfollow();
+    forking.add(tid);
+  }
+}, 'void', []);
+const afterFork = new NativeCallback(() => {
+  const tid = Process.getCurrentThreadId();
+  if (forking.delete(tid)) {
+    Stalker.follow(tid, { transform: cm.transform, data: threads.get(tid) });
+  }
+}, 'void', []);
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
+  bt_state: state,
+  bt_before_fork: beforeFork,
+  bt_after_fork: afterFork,
   open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
   mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
 });
@@ -17,12 +40,11 @@ const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
 const threadFlush = new NativeFunction(cm.bt_thread_flush, 'void', ['pointer']);
-const threadForget = new NativeFunction(cm.bt_thread_forget, 'void', ['pointer']);
+const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
 
 const threads = new Map(); // tid -> BtThread*
 let tracing = false;
-let forked = false;
 
 function openRing(tid, path) {
   const t = threadAlloc();
@@ -89,7 +111,7 @@ Process.attachModuleObserver({
 
 Process.attachThreadObserver({
   onAdded(thread) {
-    if (tracing && !forked && thread.id === Process.getCurrentThreadId()) {
+    if (tracing && thread.id === Process.getCurrentThreadId()) {
       followNewThread();
     }
   },
@@ -103,19 +125,8 @@ Process.attachThreadObserver({
   },
 });
 
-// fork(): the child must not write into the parent's rings.
-Interceptor.attach(libc('fork'), {
-  onLeave(retval) {
-    if (retval.toInt32() === 0) {
-      forked = true;
-      Stalker.unfollow();
-      for (const t of threads.values()) {
-        threadForget(t);
-      }
-      threads.clear();
-    }
-  },
-});
+// fork(): handled in C, because no JavaScript can run in a forked child.
+Interceptor.attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
 
 if (PARAMS.spawn) {
   const main = findMain();
@@ -166,3 +177,5 @@ rpc.exports = {
     return { farBlocks: far };
   },
 };
+
+send({ type: 'ready' });

@@ -67,6 +67,7 @@ class RecordType(IntEnum):
     LOST = 8  #: records were dropped here: a=count
     PROBE_HIT = 9  #: arg=probe id, a=time_ns, b=ip, more payload words = fetched values
     TIME = 10  #: a=time_ns, a clock reading for correlating rings
+    GAP = 11  #: the thread ran untraced code here (arg=GapReason): no branch spans a gap
     # metadata log only; payload words may be any bytes there
     MODULE_LOAD = 32  #: payload: pos, time_ns, base, size, build-id, path
     MODULE_UNLOAD = 33  #: payload: pos, time_ns, base
@@ -89,6 +90,10 @@ class BranchKind(IntEnum):
     INDIRECT_JUMP = 6
     SYSCALL = 7
     INTERRUPT = 8  #: asynchronous: signal delivery, exception
+
+
+class GapReason(IntEnum):
+    FORK = 1  #: fork() runs untraced (Frida Stalker cannot follow a thread through it)
 
 
 class Mode(IntEnum):
@@ -232,7 +237,7 @@ def c_definitions() -> str:
     ]
     magic = int.from_bytes(MAGIC, "little")
     lines.append(f"#define BT_MAGIC {magic:#x}ULL")
-    for e in (RecordType, Mode, WriterState):
+    for e in (RecordType, Mode, WriterState, GapReason):
         for m in e:
             lines.append(f"#define BT_{e.__name__.upper()}_{m.name} {int(m)}")
     for f in Flags:

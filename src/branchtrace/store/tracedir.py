@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StoreError
+from .format import HEADER_SIZE
 from .ring import Ring, RingReader, recovered_head
 
 META = "meta.json"
@@ -159,16 +160,21 @@ def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> int:
     """
     ring = reader.ring
     head = recovered_head(ring) if final else ring.head
+    if head > ring.head:  # the writer is dead: publish what we recovered, for later readers
+        ring._set("data_head", head)
     tail = ring.tail
     if head <= tail:
         return 0
     mask = ring.data_size - 1
-    view = memoryview(ring._data).cast("B")
     start, end = tail & mask, head & mask
-    pieces = [view[start:end]] if end > start else [view[start:], view[:end]]
-    for piece in pieces:
-        written = 0
-        while written < len(piece):
-            written += os.write(fd, piece[written:])
+    with memoryview(ring._mm) as mapping:
+        view = mapping[HEADER_SIZE : HEADER_SIZE + ring.data_size]
+        pieces = [view[start:end]] if end > start else [view[start:], view[:end]]
+        for piece in pieces:
+            written = 0
+            while written < len(piece):
+                written += os.write(fd, piece[written:])
+            piece.release()
+        view.release()
     reader.advance(head)
     return head - tail

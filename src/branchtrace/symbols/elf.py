@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 
 from ..errors import StoreError
 
@@ -48,7 +49,7 @@ class ElfImage:
         found: dict[str, int] = {}
         for name in (".dynsym", ".symtab"):
             table = elf.get_section_by_name(name)
-            if table is None:
+            if not isinstance(table, SymbolTableSection):
                 continue
             for sym in table.iter_symbols():
                 if sym["st_info"]["type"] == "STT_FUNC" and sym["st_value"] and sym.name:

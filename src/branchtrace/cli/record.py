@@ -1,0 +1,115 @@
+"""`branchtrace record`: trace a program from main, or a running process, into DIR."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from ..engines import RecordOptions, RecordResult, Target
+from ..engines.stalker import StalkerEngine
+from ..errors import UsageError
+from ..store import Mode, parse_size
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class _CliEvents:
+    def started(self, description: str) -> None:
+        err.print(f"branchtrace: {description}", markup=False)
+
+    def warning(self, message: str) -> None:
+        err.print(f"branchtrace: warning: {message}", markup=False)
+
+
+def _ending(result: RecordResult, what: str) -> str:
+    if result.signal is not None:
+        try:
+            name = signal.Signals(result.signal).name
+        except ValueError:
+            name = f"signal {result.signal}"
+        return f"{what} was killed by {name}"
+    if result.exit_code is not None:
+        return f"{what} exited with status {result.exit_code}"
+    if result.detached:
+        return f"detached from {what}; it keeps running"
+    return f"{what} ended"
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default="branchtrace.data",
+    show_default=True,
+    help="directory for the recording",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["wrap", "stream", "drop"]),
+    default="wrap",
+    show_default=True,
+    help="wrap: keep the newest records (debugging); stream: keep everything, "
+    "the program waits for the recorder; drop: never wait, count losses",
+)
+@click.option(
+    "--buffer-size",
+    default="16M",
+    show_default=True,
+    help="ring per thread, bytes (K/M/G); wrap mode keeps about this much",
+)
+@click.option("-p", "--pid", type=int, help="attach to a running process instead")
+@click.option("--duration", type=float, help="stop after this many seconds")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def record(
+    output: Path,
+    mode: str,
+    buffer_size: str,
+    pid: int | None,
+    duration: float | None,
+    command: tuple[str, ...],
+) -> None:
+    """Record the branch trace of COMMAND (after --) or of a running process (-p PID).
+
+    A spawned program is traced from the start of its main function, every thread; an
+    attached one from now until Ctrl-C or --duration, then it is left running.
+    """
+    if bool(command) == (pid is not None):
+        raise UsageError(
+            "give a program to run (after --) or -p PID, not both",
+            hint="branchtrace record -- ./prog args, or branchtrace record -p 1234",
+        )
+    options = RecordOptions(
+        output=output,
+        mode=Mode[mode.upper()],
+        buffer_size=parse_size(buffer_size),
+        duration=duration,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = StalkerEngine().record(Target(argv=command, pid=pid), options, _CliEvents(), stop)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    what = command[0] if command else f"pid {pid}"
+    for w in result.warnings:
+        _CliEvents().warning(w)
+    n = len(result.threads)
+    err.print(
+        f"branchtrace: {_ending(result, what)}; {n} thread{'s' if n != 1 else ''}, "
+        f"{result.records:,} records, {result.lost:,} lost -> {result.output}",
+        markup=False,
+    )
+    if result.signal is not None:
+        sys.exit(128 + result.signal)
+    sys.exit(result.exit_code or 0)

@@ -1,0 +1,86 @@
+"""Exit statuses from the kernel's process-events connector (netlink, CN_IDX_PROC).
+
+Frida's own child watch reaps a spawned program, and whoever reaps first gets its wait
+status.  The connector reports every exit, with the status, before any reaping, so the
+recorder learns how the program ended without racing anyone.  It needs CAP_NET_ADMIN
+(root); without it `ExitWatcher.available` is False and callers fall back to waitid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+
+_NETLINK_CONNECTOR = 11
+_CN_IDX_PROC = 1
+_CN_VAL_PROC = 1
+_PROC_CN_MCAST_LISTEN = 1
+_PROC_EVENT_EXIT = 0x80000000
+_NLMSG_HDR = 16
+_CN_MSG_HDR = 20
+
+
+class ExitWatcher:
+    """Collects the wait statuses of exiting processes; start it before the process runs."""
+
+    def __init__(self) -> None:
+        self._statuses: dict[int, int] = {}
+        self._cond = threading.Condition()
+        self._sock: socket.socket | None = None
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_CONNECTOR)
+            sock.bind((0, _CN_IDX_PROC))
+            op = struct.pack("I", _PROC_CN_MCAST_LISTEN)
+            cn = struct.pack("IIIIHH", _CN_IDX_PROC, _CN_VAL_PROC, 0, 0, len(op), 0) + op
+            sock.send(struct.pack("IHHII", _NLMSG_HDR + len(cn), 3, 0, 0, 0) + cn)
+        except OSError:
+            return
+        self._sock = sock
+        threading.Thread(target=self._run, name="bt-procevents", daemon=True).start()
+
+    @property
+    def available(self) -> bool:
+        return self._sock is not None
+
+    def _run(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                data = self._sock.recv(65536)
+            except OSError:
+                return
+            off = 0
+            while off + _NLMSG_HDR <= len(data):
+                (length,) = struct.unpack_from("I", data, off)
+                event = off + _NLMSG_HDR + _CN_MSG_HDR
+                if length < _NLMSG_HDR or event + 32 > len(data):
+                    break
+                what = struct.unpack_from("I", data, event)[0]
+                if what == _PROC_EVENT_EXIT:
+                    pid, tgid, code, _sig = struct.unpack_from("IIII", data, event + 16)
+                    if pid == tgid:
+                        with self._cond:
+                            self._statuses[pid] = code
+                            self._cond.notify_all()
+                off += (length + 3) & ~3
+
+    def status(self, pid: int, timeout: float) -> int | None:
+        """The wait status (as os.waitpid gives it) of `pid`, once it has exited."""
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._statuses, timeout)
+            return self._statuses.get(pid)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+
+def describe(status: int) -> tuple[int | None, int | None]:
+    """(exit code, signal) of a wait status."""
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    return os.WEXITSTATUS(status), None

@@ -1,0 +1,229 @@
+"""`branchtrace record` with the stalker engine, on fixture programs with known answers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from branchtrace.analysis import thread_branches
+from branchtrace.store import BranchKind, RecordType, parse_words
+from branchtrace.store.format import BLOCK_ADDR_MASK
+from branchtrace.store.tracedir import TraceDir
+from branchtrace.symbols import ModuleMap
+
+BT = [sys.executable, "-m", "branchtrace.cli.main"]
+
+
+def record(out: Path, *args: str, mode: str = "stream", **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*BT, "record", "-o", str(out), "--mode", mode, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
+
+
+def modules(trace: TraceDir) -> ModuleMap:
+    return ModuleMap([(m.base, m.size, m.path) for m in trace.modules() if m.event == "load"])
+
+
+def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
+    address = modules(trace).runtime_address(program.name, function)
+    assert address is not None, f"{function} not found in {program}"
+    b = thread_branches(trace, tid)
+    return int(((b["to"] == address) & (b["kind"] == BranchKind.CALL)).sum())
+
+
+@pytest.mark.parametrize("mode", ["stream", "wrap", "drop"])
+def test_loop23_gives_23_calls_of_f(tmp_path, programs, mode):
+    res = record(tmp_path / "d", "--", str(programs["loop23"]), mode=mode)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(sum(range(23)))
+    assert "recording" in res.stderr and "stalker engine" in res.stderr
+    assert "exited with status 0" in res.stderr and " 0 lost" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert calls_to(trace, tid, programs["loop23"], "f") == 23
+    assert trace.meta()["exit_code"] == 0
+
+
+def test_fib_gives_the_exact_call_count(tmp_path, programs):
+    n = 20
+    res = record(tmp_path / "d", "--", str(programs["fib"]), str(n))
+    assert res.returncode == 0 and res.stdout.strip() == "6765"
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    fib_n_plus_1 = 10946
+    assert calls_to(trace, tid, programs["fib"], "fib") == 2 * fib_n_plus_1 - 1
+
+
+def test_four_threads_each_give_their_exact_count(tmp_path, programs):
+    res = record(tmp_path / "d", "--", str(programs["threads"]))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(sum(sum(range(n)) for n in (1009, 2003, 3001, 4001)))
+    trace = TraceDir.open(tmp_path / "d")
+    assert len(trace.threads()) == 5  # main and four workers
+    counts = sorted(calls_to(trace, t, programs["threads"], "g") for t in trace.threads())
+    assert counts == [0, 1009, 2003, 3001, 4001]
+    assert "5 threads" in res.stderr
+
+
+@pytest.mark.parametrize("mode", ["wrap", "stream"])
+def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode):
+    res = record(tmp_path / "d", "--", str(programs["crash"]), mode=mode)
+    assert res.returncode == 128 + signal.SIGSEGV
+    assert "killed by SIGSEGV" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert trace.meta()["signal"] == signal.SIGSEGV
+    (tid,) = trace.threads()
+    words, pos = trace.words(tid)
+    last = parse_words(words, pos)[-1]
+    boom = modules(trace).runtime_address("crash", "boom")
+    assert last["type"] == RecordType.BLOCK and last["a"] == boom  # boom's only block
+    assert calls_to(trace, tid, programs["crash"], "boom") == 1
+
+
+def test_stream_of_100m_branches_loses_nothing(tmp_path, programs):
+    n = 35_000_000  # about three blocks, two taken branches and a call per iteration
+    out = Path("/dev/shm") / f"bt-big-{os.getpid()}"
+    try:
+        res = record(out, "--buffer-size", "32M", "--", str(programs["bigloop"]), str(n))
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == str(n * (n - 1) // 2)
+        trace = TraceDir.open(out)
+        (tid,) = trace.threads()
+        f = modules(trace).runtime_address("bigloop", "f")
+        words, _ = trace.words(tid)
+        assert words.size > 100_000_000
+        starts = words & np.uint64(BLOCK_ADDR_MASK)
+        assert int((starts == f).sum()) == n  # f is one block: one record per call
+        assert trace.meta()["threads"][str(tid)]["lost"] == 0
+    finally:
+        subprocess.run(["rm", "-rf", str(out)], check=False)
+
+
+def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, programs):
+    target = subprocess.Popen([programs["spin"]], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout.readline().startswith("ready")
+        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.5")
+        assert res.returncode == 0, res.stderr
+        assert "detached" in res.stderr
+        out, _ = target.communicate(timeout=30)
+    finally:
+        target.kill()
+        target.wait()
+    assert target.returncode == 0 and out.strip() == str(sum(range(1500)))
+    trace = TraceDir.open(tmp_path / "d")
+    assert trace.meta()["detached"] is True
+    calls = sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads())
+    assert 20 < calls < 1500  # about 0.5 s of a 2 ms loop
+
+
+def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs):
+    res = record(tmp_path / "d", "--", str(programs["fork"]))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["child 10", "parent 3 child-status 0"]
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert calls_to(trace, tid, programs["fork"], "f") == 3
+
+
+def test_dlopen_is_recorded_as_a_module_load(tmp_path, programs):
+    res = record(tmp_path / "d", "--", str(programs["dlopen"]))
+    assert res.returncode == 0 and res.stdout.strip() == "1.000"
+    trace = TraceDir.open(tmp_path / "d")
+    events = [(m.event, Path(m.path).name) for m in trace.modules()]
+    assert events.index(("load", "libm.so.6")) >= 0
+
+
+def test_the_tool_killed_leaves_the_program_running_and_the_trace_readable(tmp_path, programs):
+    out = tmp_path / "d"
+    tool = subprocess.Popen(
+        [*BT, "record", "-o", str(out), "--", str(programs["spin"])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert tool.stdout.readline().startswith("ready")
+    time.sleep(0.3)
+    tool.send_signal(signal.SIGKILL)
+    tool.wait()
+    # the program is orphaned, not stopped: it finishes on its own with the right output
+    rest = tool.stdout.read()
+    tool.stdout.close()
+    tool.stderr.close()
+    assert rest.strip() == str(sum(range(1500)))
+    info = subprocess.run([*BT, "info", str(out), "--json"], capture_output=True, text=True)
+    assert info.returncode == 0, info.stderr
+    assert (
+        "did not finish"
+        in subprocess.run([*BT, "info", str(out)], capture_output=True, text=True).stdout
+    )
+    trace = TraceDir.open(out)
+    (tid,) = trace.threads()
+    assert calls_to(trace, tid, programs["spin"], "f") > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--", "/nonexistent/prog"], 10, "no such file"),
+        (["--", "no-such-command-xyz"], 10, "command not found"),
+        (["-p", "999999999"], 11, "no process with pid"),
+        ([], 2, "give a program to run"),
+        (["--buffer-size", "4K", "--", "/bin/true"], 3, "too small"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, args, code, message):
+    res = record(tmp_path / "d", *args)
+    assert res.returncode == code, res.stderr
+    assert message in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "d").exists()  # nothing half-written left behind
+
+
+def test_non_executable_non_elf_and_unwritable_output(tmp_path):
+    plain = tmp_path / "plain"
+    plain.write_text("data\n")
+    plain.chmod(0o644)
+    res = record(tmp_path / "d", "--", str(plain))
+    assert res.returncode == 10 and "not executable" in res.stderr
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o755)
+    res = record(tmp_path / "d", "--", str(script))
+    assert res.returncode == 10 and "not an ELF executable" in res.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    res = record(blocker / "d", "--", "/bin/true")
+    assert res.returncode == 3 and "cannot write" in res.stderr
+
+
+def test_an_already_traced_process_is_refused(tmp_path, programs):
+    target = subprocess.Popen([programs["spin"]], stdout=subprocess.PIPE, text=True)
+    first = None
+    try:
+        assert target.stdout.readline().startswith("ready")
+        first = subprocess.Popen(
+            [*BT, "record", "-o", str(tmp_path / "a"), "-p", str(target.pid), "--duration", "3"],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert "recording" in first.stderr.readline()
+        res = record(tmp_path / "b", "-p", str(target.pid))
+        assert res.returncode == 14 and "already traced by branchtrace" in res.stderr
+    finally:
+        if first is not None:
+            first.send_signal(signal.SIGINT)
+            first.communicate(timeout=30)
+        target.kill()
+        target.communicate()
