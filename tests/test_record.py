@@ -227,3 +227,12 @@ def test_an_already_traced_process_is_refused(tmp_path, programs):
             first.communicate(timeout=30)
         target.kill()
         target.communicate()
+
+
+def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
+    res = record(tmp_path / "d", "--", "/bin/sh", "-c", 'exec /bin/sh -c "echo replaced; exit 3"')
+    assert res.returncode == 3 and res.stdout.strip() == "replaced"
+    assert "called exec: the new program image was not traced" in res.stderr
+    assert "exited with status 3" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert trace.meta()["exit_code"] == 3

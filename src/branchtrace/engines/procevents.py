@@ -18,6 +18,7 @@ _NETLINK_CONNECTOR = 11
 _CN_IDX_PROC = 1
 _CN_VAL_PROC = 1
 _PROC_CN_MCAST_LISTEN = 1
+_PROC_EVENT_EXEC = 0x00000002
 _PROC_EVENT_EXIT = 0x80000000
 _NLMSG_HDR = 16
 _CN_MSG_HDR = 20
@@ -28,6 +29,7 @@ class ExitWatcher:
 
     def __init__(self) -> None:
         self._statuses: dict[int, int] = {}
+        self.execs: set[int] = set()  #: pids that called exec
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
         try:
@@ -59,7 +61,13 @@ class ExitWatcher:
                 if length < _NLMSG_HDR or event + 32 > len(data):
                     break
                 what = struct.unpack_from("I", data, event)[0]
-                if what == _PROC_EVENT_EXIT:
+                if what == _PROC_EVENT_EXEC:
+                    # exec reports an "exit" of the old thread-group leader first: forget it
+                    pid, tgid = struct.unpack_from("II", data, event + 16)
+                    with self._cond:
+                        self.execs.add(tgid)
+                        self._statuses.pop(tgid, None)
+                elif what == _PROC_EVENT_EXIT:
                     pid, tgid, code, _sig = struct.unpack_from("IIII", data, event + 16)
                     if pid == tgid:
                         with self._cond:

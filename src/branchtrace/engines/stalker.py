@@ -405,7 +405,7 @@ class StalkerEngine:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         result = RecordResult(rec.tracedir.path, pid)
-        if replaced.is_set():
+        if replaced.is_set() or pid in watcher.execs:
             result.warnings.append(
                 f"{argv[0]} called exec: the new program image was not traced "
                 "(TODO: re-instrument after exec)"
@@ -534,9 +534,12 @@ def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
                 continue
             except ChildProcessError:
                 break
-            if res is not None:
-                status.append(res)
-                break
+            if res is None or res.si_code not in (os.CLD_EXITED, os.CLD_KILLED, os.CLD_DUMPED):
+                # Frida ptrace-stops the program around exec: a trap, not its end
+                time.sleep(0.01)
+                continue
+            status.append(res)
+            break
         exited.set()
 
     threading.Thread(target=wait, name="bt-waitid", daemon=True).start()
