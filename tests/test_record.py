@@ -236,3 +236,25 @@ def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
     assert "exited with status 3" in res.stderr
     trace = TraceDir.open(tmp_path / "d")
     assert trace.meta()["exit_code"] == 3
+
+
+def test_sched_records_context_switches_merged_in_time_order(tmp_path, programs):
+    from branchtrace.analysis import thread_records
+
+    res = record(tmp_path / "d", "--sched", "--", str(programs["sleeper"]))
+    assert res.returncode == 0, res.stderr
+    assert "context switches" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    switches = trace.meta()["threads"][str(tid)]["switches"]
+    assert switches >= 40  # 20 sleeps: out and back in each time
+    recs = thread_records(trace, tid)
+    kinds = recs["type"]
+    outs = int((kinds == RecordType.SWITCH_OUT).sum())
+    ins = int((kinds == RecordType.SWITCH_IN).sum())
+    assert outs + ins == switches and outs >= 20 and ins >= 20
+    timed = recs[np.isin(kinds, [RecordType.SWITCH_OUT, RecordType.SWITCH_IN, RecordType.TIME])]
+    assert np.all(np.diff(timed["a"].astype(np.int64)) >= 0)  # one time order
+    assert calls_to(trace, tid, programs["sleeper"], "f") == 20
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert "switches" in info.stdout and str(switches) in info.stdout

@@ -133,9 +133,15 @@ def info(path: Path, as_json: bool) -> None:
         for w in meta.get("warnings") or []:
             out.print(f"warning: {w}", markup=False)
     per_thread = meta["records_per_thread"] if meta else {}
+    switches = {t: s.get("switches", 0) for t, s in (meta or {}).get("threads", {}).items()}
+    show_switches = bool(meta and meta.get("sched"))
     table = Table(box=None, header_style="bold")
-    for col in ("store", "tid", "mode", "ring", "records", "lost", "writer"):
-        table.add_column(col, justify="right" if col in ("records", "lost", "tid") else "left")
+    columns = ["store", "tid", "mode", "ring", "records", "lost"]
+    columns += ["switches"] if show_switches else []
+    for col in (*columns, "writer"):
+        table.add_column(
+            col, justify="right" if col in ("records", "lost", "tid", "switches") else "left"
+        )
     for r in rows:
         writer = f"{r['writer']} (pid {r['writer_pid']})" if r["writer_pid"] else str(r["writer"])
         if r["recovered_bytes"]:
@@ -147,6 +153,7 @@ def info(path: Path, as_json: bool) -> None:
             _human(int(r["ring_bytes"])),
             f"{per_thread.get(str(r['tid']), r['records']):,}",
             f"{r['lost']:,}",
+            *([f"{switches.get(str(r['tid']), 0):,}"] if show_switches else []),
             writer,
         )
     out.print(table)

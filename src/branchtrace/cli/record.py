@@ -65,6 +65,11 @@ def _ending(result: RecordResult, what: str) -> str:
 )
 @click.option("-p", "--pid", type=int, help="attach to a running process instead")
 @click.option("--duration", type=float, help="stop after this many seconds")
+@click.option(
+    "--sched",
+    is_flag=True,
+    help="also record context switches (departs/arrives, time, CPU) per thread",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def record(
     output: Path,
@@ -72,6 +77,7 @@ def record(
     buffer_size: str,
     pid: int | None,
     duration: float | None,
+    sched: bool,
     command: tuple[str, ...],
 ) -> None:
     """Record the branch trace of COMMAND (after --) or of a running process (-p PID).
@@ -89,6 +95,7 @@ def record(
         mode=Mode[mode.upper()],
         buffer_size=parse_size(buffer_size),
         duration=duration,
+        sched=sched,
     )
     stop = threading.Event()
 
@@ -105,9 +112,12 @@ def record(
     for w in result.warnings:
         _CliEvents().warning(w)
     n = len(result.threads)
+    switches = sum(t.switches for t in result.threads.values())
     err.print(
         f"branchtrace: {_ending(result, what)}; {n} thread{'s' if n != 1 else ''}, "
-        f"{result.records:,} records, {result.lost:,} lost -> {result.output}",
+        f"{result.records:,} records, {result.lost:,} lost"
+        + (f", {switches:,} context switches" if sched else "")
+        + f" -> {result.output}",
         markup=False,
     )
     if result.signal is not None:

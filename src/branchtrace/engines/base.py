@@ -24,12 +24,14 @@ class RecordOptions:
     mode: Mode = Mode.WRAP
     buffer_size: int = 16 << 20  #: bytes per thread ring, a power of two
     duration: float | None = None  #: seconds; None: until the program ends or stop is set
+    sched: bool = False  #: also record context switches (perf software events)
 
 
 @dataclass
 class ThreadStats:
     records: int = 0
     lost: int = 0
+    switches: int = 0  #: context switches recorded (with --sched)
 
 
 @dataclass

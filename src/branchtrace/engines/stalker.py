@@ -38,6 +38,7 @@ from ..store.records import count_records
 from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
 from .base import Events, RecordOptions, RecordResult, Target, ThreadStats
 from .procevents import ExitWatcher, describe
+from .sched import SwitchRecorder
 
 CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit test
 MIN_BUFFER = 8 * CHUNK
@@ -58,6 +59,7 @@ extern long lseek(int fd, long offset, int whence);
 extern void *mmap(void *addr, unsigned long len, int prot, int flags, int fd, long off);
 extern int munmap(void *addr, unsigned long len);
 extern int getpid(void);
+extern int clock_gettime(int clock, long *ts);
 struct bt_flock { short l_type; short l_whence; long l_start; long l_len; int l_pid; };
 static void bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns) {
   long ts[2] = {timeout_ns / 1000000000L, timeout_ns % 1000000000L};
@@ -176,6 +178,8 @@ class _Recording:
         self.options = options
         self.events = events
         self.rings: dict[int, tuple[Ring, RingReader | None, int | None]] = {}
+        self.drained: dict[int, int] = {}  #: records moved to each thread's .stream file
+        self.switches: dict[int, SwitchRecorder] = {}
         self.lock = threading.Lock()
         self.script: Any = None  # frida.core.Script
         self.errors: list[str] = []
@@ -205,7 +209,21 @@ class _Recording:
             )
         with self.lock:
             self.rings[tid] = (ring, reader, stream_fd)
+        if self.options.sched:
+            self._watch_switches(tid)
         return path
+
+    def _watch_switches(self, tid: int) -> None:
+        try:
+            recorder = SwitchRecorder(tid)
+        except OSError as e:
+            self._error(
+                f"no context switches for thread {tid}: perf_event_open failed "
+                f"({e.strerror}); recording continues without them"
+            )
+            return
+        with self.lock:
+            self.switches[tid] = recorder
 
     def on_message(self, message: Any, data: bytes | None) -> None:
         if message.get("type") == "error":
@@ -249,7 +267,7 @@ class _Recording:
             raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
 
     def start_draining(self) -> None:
-        if self.options.mode == Mode.WRAP:
+        if self.options.mode == Mode.WRAP and not self.options.sched:
             return
         self._drainer = threading.Thread(target=self._drain_loop, name="bt-drain", daemon=True)
         self._drainer.start()
@@ -262,10 +280,15 @@ class _Recording:
     def _drain_once(self, final: bool) -> int:
         moved = 0
         with self.lock:
-            rings = list(self.rings.values())
-        for _ring, reader, fd in rings:
+            rings = list(self.rings.items())
+            switches = list(self.switches.values())
+        for recorder in switches:
+            moved += recorder.poll()
+        for tid, (_ring, reader, fd) in rings:
             if reader is not None and fd is not None:
-                moved += drain_to_file(reader, fd, final=final)
+                nbytes, records = drain_to_file(reader, fd, final=final)
+                moved += nbytes
+                self.drained[tid] = self.drained.get(tid, 0) + records
         return moved
 
     def finish(self) -> dict[int, ThreadStats]:
@@ -282,9 +305,20 @@ class _Recording:
                     reader.close()
                 if fd is not None:
                     os.close(fd)
+                if reader is None:  # wrap: what the ring holds
+                    words, _ = RingReader(ring).read_words()
+                    records = count_records(words)
+                else:
+                    records = self.drained.get(tid, 0)
                 ring.close()
-                words, _ = self.tracedir.words(tid)
-                stats[tid] = ThreadStats(records=count_records(words), lost=lost)
+                stats[tid] = ThreadStats(records=records, lost=lost)
+            for tid, recorder in self.switches.items():
+                recorder.close()
+                switches = recorder.switches()
+                np.save(self.tracedir.sched_path(tid), switches)
+                stats[tid].switches = int(switches.size)
+                if recorder.lost:
+                    self._error(f"thread {tid}: {recorder.lost} context switches lost")
         return stats
 
 
@@ -300,7 +334,7 @@ class StalkerEngine:
                 f"buffer size {options.buffer_size} is too small for the stalker engine",
                 hint=f"use at least {MIN_BUFFER // 1024}K",
             )
-        options = RecordOptions(options.output, options.mode, size, options.duration)
+        options = RecordOptions(options.output, options.mode, size, options.duration, options.sched)
         program = resolve_program(target.argv[0]) if target.argv else None
         if target.pid is not None:
             _check_attachable(target.pid)
@@ -314,6 +348,7 @@ class StalkerEngine:
             "argv": list(target.argv),
             "executable": str(program) if program else None,
             "attached": program is None,
+            "sched": options.sched,
         }
         started = False
         try:
@@ -560,4 +595,4 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-__all__ = ["StalkerEngine", "agent_c_source", "np"]
+__all__ = ["StalkerEngine", "agent_c_source"]

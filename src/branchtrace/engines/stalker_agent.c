@@ -90,6 +90,15 @@ static void refill(BtThread *t) {
     return;
   }
   t->dropping = 0;
+  if (t->w.head == t->w.claim_end - BT_CHUNK) {
+    /* a fresh chunk starts with the time (CLOCK_MONOTONIC): the anchors that place
+       context switches, and any other timed event, among the blocks */
+    long ts[2];
+    clock_gettime(1 /* CLOCK_MONOTONIC */, ts);
+    uint64_t stamp[2] = {bt_escape(BT_RECORDTYPE_TIME, 1, 0),
+                         (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK};
+    bt_store(&t->w, stamp, 2);
+  }
   t->wp = (uint64_t)t->w.data + (t->w.head & t->w.mask);
 }
 

@@ -35,6 +35,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_after_fork: afterFork,
   open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
   mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
+  clock_gettime: libc('clock_gettime'),
 });
 const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);

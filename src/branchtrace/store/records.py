@@ -17,6 +17,7 @@ from .format import (
     BLOCK_ADDR_BITS,
     BLOCK_ADDR_MASK,
     BLOCK_OFF_MASK,
+    ESCAPE_BIT,
     LEN_MASK,
     LEN_SHIFT,
     MAX_RING_PAYLOAD,
@@ -184,7 +185,10 @@ def parse_meta(buf: bytes | memoryview, where: str = "metadata") -> list[MetaEnt
 def count_records(words: np.ndarray) -> int:
     """How many records (PAD excluded) `words` holds, without building them."""
     w = np.asarray(words, dtype=_U64)
-    headers = w[(w >> _U64(63)).astype(bool)]
+    escapes = w >= ESCAPE_BIT
+    if not escapes.any():  # the usual case: nothing but BLOCK words
+        return int(w.size)
+    headers = w[escapes]
     payload = int(((headers >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).sum())
     pads = int((((headers >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)) == RecordType.PAD).sum())
     return w.size - payload - pads

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import StoreError
 from .format import HEADER_SIZE
+from .records import count_records
 from .ring import Ring, RingReader, recovered_head
 
 META = "meta.json"
@@ -83,6 +84,14 @@ class TraceDir:
 
     def stream_path(self, tid: int) -> Path:
         return self.path / f"T{tid}.stream"
+
+    def sched_path(self, tid: int) -> Path:
+        return self.path / f"T{tid}.sched.npy"
+
+    def switches(self, tid: int) -> np.ndarray | None:
+        """The thread's context switches (time, cpu, out), or None if not recorded."""
+        p = self.sched_path(tid)
+        return np.load(p) if p.exists() else None
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         tmp = self.path / f".{META}.tmp"
@@ -148,13 +157,13 @@ def _is_ours(name: str) -> bool:
     return (
         name in _OURS
         or name.startswith(".")
-        or (name.startswith("T") and name.endswith((".bts", ".stream")))
+        or (name.startswith("T") and name.endswith((".bts", ".stream", ".sched.npy")))
     )
 
 
-def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> int:
+def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> tuple[int, int]:
     """Append what the consumer `reader` can take from its ring to `fd`, straight from the
-    shared mapping, and release it to the writer.  Returns bytes moved.
+    shared mapping, and release it to the writer.  Returns (bytes, records) moved.
 
     `final`: the writer is gone; also take the records it wrote past data_head.
     """
@@ -164,9 +173,14 @@ def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> int:
         ring._set("data_head", head)
     tail = ring.tail
     if head <= tail:
-        return 0
+        return 0, 0
     mask = ring.data_size - 1
     start, end = tail & mask, head & mask
+    words = ring._data
+    if end > start:
+        records = count_records(words[start // 8 : end // 8])
+    else:
+        records = count_records(words[start // 8 :]) + count_records(words[: end // 8])
     with memoryview(ring._mm) as mapping:
         view = mapping[HEADER_SIZE : HEADER_SIZE + ring.data_size]
         pieces = [view[start:end]] if end > start else [view[start:], view[:end]]
@@ -177,4 +191,4 @@ def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> int:
             piece.release()
         view.release()
     reader.advance(head)
-    return head - tail
+    return head - tail, records
