@@ -44,8 +44,7 @@ function follow() {
     },
   });
 }
-const main = Process.mainModule.enumerateSymbols().find((s) => s.name === 'main');
-Interceptor.attach(main.address, { onEnter() { follow(); } });
+Interceptor.attach(findMain(), { onEnter() { follow(); } });
 Process.attachThreadObserver({
   onAdded(t) { if (t.id === Process.getCurrentThreadId()) follow(); },
 });
@@ -105,7 +104,8 @@ def run_frida_js(argv: list[str]) -> tuple[float, int]:
     t0 = time.perf_counter()
     pid = device.spawn(argv, stdio="pipe")
     session = device.attach(pid)
-    script = session.create_script(JS_TRACER)
+    find_main = (ROOT / "src" / "branchtrace" / "engines" / "find_main.js").read_text()
+    script = session.create_script(find_main + JS_TRACER)
     result: dict[str, int] = {}
 
     def on_message(message, data):
@@ -128,6 +128,13 @@ def run_frida_js(argv: list[str]) -> tuple[float, int]:
             break
         time.sleep(0.005)
     return time.perf_counter() - t0, int(result.get("events", 0))
+
+
+def has_symbols(path: str) -> bool:
+    from elftools.elf.elffile import ELFFile
+
+    with open(path, "rb") as f:
+        return ELFFile(f).get_section_by_name(".symtab") is not None
 
 
 def make_gzip_input(path: Path) -> None:
@@ -181,13 +188,14 @@ def main() -> None:
             ours = [run_ours(argv, work / "ours") for _ in range(args.repeat)]
             ours_t, ours_n = min(ours)
             row = {"workload": name, "native": native, "ours": ours_t, "records": ours_n}
-            if have_uftrace:
+            if have_uftrace and has_symbols(argv[0]):  # uftrace -P needs a symbol table
                 row["uftrace"] = min(
                     run_uftrace(argv, work / "uftrace") for _ in range(args.repeat)
                 )
             if not args.no_peers:
                 js_t, js_n = run_frida_js(argv)
-                row["frida_js"], row["frida_js_events"] = js_t, js_n
+                if js_n:  # a tracer that saw nothing is not a measurement
+                    row["frida_js"], row["frida_js_events"] = js_t, js_n
             rows.append(row)
             print(f"... {name}: {row}", file=sys.stderr)
         print_table(rows, startup)

@@ -59,9 +59,21 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_then_info(tmp_path):
+def test_demo_records_the_example_crash_and_shows_how_it_got_there(tmp_path):
+    res = cli("demo", "-o", str(tmp_path / "data"))
+    assert res.returncode == 0, res.stderr
+    assert "linked_list was killed by SIGSEGV" in res.stderr
+    rows = [line.split() for line in res.stdout.splitlines() if line.strip()[:2].strip().isdigit()]
+    newest = rows[-1]
+    assert (
+        newest[0] == "0" and newest[1].startswith("main+") and newest[2:4] == ["total+0x0", "call"]
+    )
+    assert any(r[1].startswith("find+") and r[2].startswith("main+") for r in rows)  # returned
+
+
+def test_store_demo_then_info(tmp_path):
     out = tmp_path / "data"
-    res = cli("demo", "-o", str(out), "-n", "2000000")
+    res = cli("demo", "--store", "-o", str(out), "-n", "2000000")
     assert res.returncode == 0, res.stderr
     assert "received 2,000,001 records" in res.stdout and "lost 0" in res.stdout
     rows = [json.loads(line) for line in cli("info", str(out), "--json").stdout.splitlines()]

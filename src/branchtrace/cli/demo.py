@@ -1,34 +1,77 @@
-"""`branchtrace demo`: the store at work, end to end, on this machine.
-
-A child process writes numbered records into a stream-mode ring while this process drains
-them, checking that every one arrives; then the same through a small wrap-mode ring, which
-keeps only the newest.  TODO(recorder): once the stalker engine lands, the demo records the
-bundled example program instead.
+"""`branchtrace demo`: record the bundled example program as it crashes, and show how it got
+there.  `--store` instead shows the store alone: records streamed between two processes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
+import shutil
+import subprocess
+import threading
 import time
+from importlib import resources
 from pathlib import Path
 
 import click
 import numpy as np
 from rich.console import Console
+from rich.table import Table
 
-from ..errors import StoreError
-from ..store import Flags, Mode, RecordType, Ring, RingReader, RingWriter, parse_words
+from ..analysis import thread_branches
+from ..engines import RecordOptions, Target
+from ..engines.stalker import StalkerEngine
+from ..errors import LaunchError, StoreError
+from ..store import BranchKind, Flags, Mode, RecordType, Ring, RingReader, RingWriter, parse_words
 from ..store.format import WriterState
+from ..store.tracedir import TraceDir
+from ..symbols import ModuleMap
 from .info import info
+from .record import _CliEvents, print_summary
 
 BATCH = 1 << 16
 
 
-def _write(path: str, n: int) -> None:
-    with RingWriter(Ring.open(path, writable=True)) as w:
-        for start in range(1, n + 1, BATCH):
-            w.write_blocks(np.arange(start, min(start + BATCH, n + 1), dtype=np.uint64))
-        w.write(RecordType.THREAD_EXIT, 1, time.time_ns(), 0)
+def build_example() -> Path:
+    """Compile the bundled example once (it is C source: gcc is part of the contract)."""
+    source = resources.files("branchtrace").joinpath("examples", "linked_list.c").read_bytes()
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        raise LaunchError(
+            "the demo compiles a small C program, and there is no gcc", hint="apt-get install gcc"
+        )
+    flags = ["-O0", "-g", "-fno-omit-frame-pointer"]
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    exe = Path.home() / ".cache" / "branchtrace" / "demo" / digest / "linked_list"
+    if not exe.exists():
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        src = exe.with_suffix(".c")
+        src.write_bytes(source)
+        res = subprocess.run(
+            [gcc, *flags, "-o", str(exe), str(src)], capture_output=True, text=True
+        )
+        if res.returncode != 0:
+            raise LaunchError(f"compiling the demo example failed: {res.stderr.strip()[:200]}")
+    return exe
+
+
+def show_last_branches(output: Path, tid: int, last: int) -> None:
+    trace = TraceDir.open(output)
+    branches = thread_branches(trace, tid)[-last:]
+    modules = ModuleMap([(m.base, m.size, m.path) for m in trace.modules() if m.event == "load"])
+    sources, targets = modules.symbolize(branches["from"]), modules.symbolize(branches["to"])
+    table = Table(
+        title=f"how it got there: the last {len(branches)} branches of thread {tid}",
+        box=None,
+        header_style="bold",
+        title_justify="left",
+    )
+    for col in ("#", "from", "to", "kind"):
+        table.add_column(col, justify="right" if col == "#" else "left")
+    for i, (b, src, dst) in enumerate(zip(branches, sources, targets, strict=True)):
+        kind = BranchKind(int(b["kind"])).name.lower() if 0 < b["kind"] < 255 else "?"
+        table.add_row(str(len(branches) - 1 - i), src, dst, kind.replace("_", " "))
+    Console(highlight=False).print(table)
 
 
 @click.command()
@@ -38,17 +81,53 @@ def _write(path: str, n: int) -> None:
     type=click.Path(path_type=Path),
     default="branchtrace.data",
     show_default=True,
-    help="directory for the demo stores",
+    help="directory for the recording",
+)
+@click.option("--last", default=12, show_default=True, help="branches to show")
+@click.option(
+    "--store",
+    "store_only",
+    is_flag=True,
+    help="instead: stream records between two processes through the store",
 )
 @click.option(
     "-n",
     "--records",
     default=20_000_000,
     show_default=True,
-    help="records to move through the stream ring",
+    help="with --store: records to move through the stream ring",
 )
 @click.pass_context
-def demo(ctx: click.Context, output: Path, records: int) -> None:
+def demo(ctx: click.Context, output: Path, last: int, store_only: bool, records: int) -> None:
+    """Record the bundled example as it crashes, and show how it got there."""
+    if store_only:
+        store_demo(ctx, output, records)
+        return
+    exe = build_example()
+    result = StalkerEngine().record(
+        Target(argv=(str(exe),)),
+        RecordOptions(output=output, mode=Mode.WRAP),
+        _CliEvents(),
+        threading.Event(),
+    )
+    print_summary(result, exe.name)
+    show_last_branches(output, result.pid, last)
+    Console(highlight=False).print(
+        f"(# 0 is the newest branch: it leads into the function that faulted.)  More: "
+        f"branchtrace info {output}",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+def _write(path: str, n: int) -> None:
+    with RingWriter(Ring.open(path, writable=True)) as w:
+        for start in range(1, n + 1, BATCH):
+            w.write_blocks(np.arange(start, min(start + BATCH, n + 1), dtype=np.uint64))
+        w.write(RecordType.THREAD_EXIT, 1, time.time_ns(), 0)
+
+
+def store_demo(ctx: click.Context, output: Path, records: int) -> None:
     """Move records between two processes through the store, and show the result."""
     out = Console(highlight=False)
     try:

@@ -40,6 +40,21 @@ def _ending(result: RecordResult, what: str) -> str:
     return f"{what} ended"
 
 
+def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
+    """Warnings, then one line: how the program ended and what was recorded."""
+    for w in result.warnings:
+        _CliEvents().warning(w)
+    n = len(result.threads)
+    switches = sum(t.switches for t in result.threads.values())
+    err.print(
+        f"branchtrace: {_ending(result, what)}; {n} thread{'s' if n != 1 else ''}, "
+        f"{result.records:,} records, {result.lost:,} lost"
+        + (f", {switches:,} context switches" if sched else "")
+        + f" -> {result.output}",
+        markup=False,
+    )
+
+
 @click.command(context_settings={"allow_interspersed_args": False})
 @click.option(
     "-o",
@@ -108,18 +123,7 @@ def record(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    what = command[0] if command else f"pid {pid}"
-    for w in result.warnings:
-        _CliEvents().warning(w)
-    n = len(result.threads)
-    switches = sum(t.switches for t in result.threads.values())
-    err.print(
-        f"branchtrace: {_ending(result, what)}; {n} thread{'s' if n != 1 else ''}, "
-        f"{result.records:,} records, {result.lost:,} lost"
-        + (f", {switches:,} context switches" if sched else "")
-        + f" -> {result.output}",
-        markup=False,
-    )
+    print_summary(result, command[0] if command else f"pid {pid}", sched)
     if result.signal is not None:
         sys.exit(128 + result.signal)
     sys.exit(result.exit_code or 0)

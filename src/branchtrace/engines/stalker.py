@@ -86,8 +86,10 @@ def agent_c_source() -> str:
 def agent_script(params: dict[str, Any]) -> str:
     import json
 
-    js = resources.files(__package__).joinpath("stalker_agent.js").read_text()
-    return f"const PARAMS = {json.dumps(params)};\n{js}"
+    here = resources.files(__package__)
+    js = here.joinpath("stalker_agent.js").read_text()
+    find_main = here.joinpath("find_main.js").read_text()
+    return f"const PARAMS = {json.dumps(params)};\n{find_main}\n{js}"
 
 
 def resolve_program(name: str) -> Path:

@@ -97,6 +97,32 @@ class ModuleMap:
         first = image.first_vaddr if image else 0
         return address - int(self.bases[i]) + first
 
+    def _function_table(self, i: int) -> tuple[np.ndarray, list[str]]:
+        image = self.image(i)
+        if image is None or not image.functions:
+            return np.zeros(0, dtype=np.uint64), []
+        items = sorted((a, n) for n, a in image.functions.items())
+        base = int(self.bases[i]) - image.first_vaddr
+        return np.array([a + base for a, _ in items], dtype=np.uint64), [n for _, n in items]
+
+    def symbolize(self, addresses: np.ndarray) -> list[str]:
+        """`function+0xoff` for each address (`module+0xoff` without symbols, `0x...` outside
+        every module); one searchsorted per module, not a Python lookup per address."""
+        a = np.asarray(addresses, dtype=np.uint64)
+        mods = self.index(a)
+        out = [f"{int(x):#x}" for x in a]
+        for m in np.unique(mods[mods >= 0]).tolist():
+            sel = np.flatnonzero(mods == m)
+            starts, names = self._function_table(m)
+            j = np.searchsorted(starts, a[sel], side="right").astype(np.int64) - 1
+            module = Path(self.paths[m]).name
+            for k, idx in zip(sel.tolist(), j.tolist(), strict=True):
+                if idx >= 0:
+                    out[k] = f"{names[idx]}+{int(a[k]) - int(starts[idx]):#x}"
+                else:
+                    out[k] = f"{module}+{int(a[k]) - int(self.bases[m]):#x}"
+        return out
+
     def runtime_address(self, path_suffix: str, function: str) -> int | None:
         """Where `function` of the module whose path ends with `path_suffix` was loaded."""
         for i, path in enumerate(self.paths):
