@@ -258,3 +258,34 @@ def test_sched_records_context_switches_merged_in_time_order(tmp_path, programs)
     assert calls_to(trace, tid, programs["sleeper"], "f") == 20
     info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
     assert "switches" in info.stdout and str(switches) in info.stdout
+
+
+def test_killing_the_tool_in_stream_mode_does_not_block_the_program(tmp_path, programs):
+    n = 20_000_000  # fills a 512 KiB ring thousands of times over
+    tool = subprocess.Popen(
+        [
+            *BT,
+            "record",
+            "--mode",
+            "stream",
+            "--buffer-size",
+            "512K",
+            "-o",
+            str(tmp_path / "d"),
+            "--",
+            str(programs["bigloop"]),
+            str(n),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert "recording" in tool.stderr.readline()
+    time.sleep(0.3)
+    tool.send_signal(signal.SIGKILL)
+    tool.wait()
+    # the orphaned program notices its consumer is gone, drops from then on, and finishes
+    out = tool.stdout.read()
+    tool.stdout.close()
+    tool.stderr.close()
+    assert out.strip() == str(n * (n - 1) // 2)
