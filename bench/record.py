@@ -174,6 +174,9 @@ def main() -> None:
         trivial = [str(exe["fib"]), "1"]
         have_uftrace = shutil.which("uftrace") is not None and not args.no_peers
         startup = {"ours": min(run_ours(trivial, work / "ours")[0] for _ in range(args.repeat))}
+        startup["wrap"] = min(
+            run_ours(trivial, work / "wrap", "wrap")[0] for _ in range(args.repeat)
+        )
         if have_uftrace:
             startup["uftrace"] = min(
                 run_uftrace(trivial, work / "uftrace") for _ in range(args.repeat)
@@ -187,7 +190,14 @@ def main() -> None:
             native = min(timed(argv)[0] for _ in range(args.repeat))
             ours = [run_ours(argv, work / "ours") for _ in range(args.repeat)]
             ours_t, ours_n = min(ours)
-            row = {"workload": name, "native": native, "ours": ours_t, "records": ours_n}
+            wrap_t = min(run_ours(argv, work / "wrap", "wrap")[0] for _ in range(args.repeat))
+            row = {
+                "workload": name,
+                "native": native,
+                "ours": ours_t,
+                "records": ours_n,
+                "wrap": wrap_t,
+            }
             if have_uftrace and has_symbols(argv[0]):  # uftrace -P needs a symbol table
                 row["uftrace"] = min(
                     run_uftrace(argv, work / "uftrace") for _ in range(args.repeat)
@@ -219,7 +229,7 @@ def print_table(rows: list[dict], startup: dict[str, float]) -> None:
     slow: dict[str, list[float]] = {}
     for r in rows:
         cells = []
-        for key in ("ours", "uftrace", "frida_js"):
+        for key in ("ours", "wrap", "uftrace", "frida_js"):
             if key not in r:
                 cells.append("- | -")
                 continue
