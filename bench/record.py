@@ -70,23 +70,9 @@ def timed(argv: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
     return dt, res
 
 
-def run_ours(argv: list[str], out: Path) -> tuple[float, int]:
-    dt, _ = timed(
-        [
-            sys.executable,
-            "-m",
-            "branchtrace.cli.main",
-            "record",
-            "--mode",
-            "stream",
-            "--buffer-size",
-            "32M",
-            "-o",
-            str(out),
-            "--",
-            *argv,
-        ]
-    )
+def run_ours(argv: list[str], out: Path, mode: str = "stream") -> tuple[float, int]:
+    bt = [sys.executable, "-m", "branchtrace.cli.main", "record", "--mode", mode]
+    dt, _ = timed([*bt, "--buffer-size", "32M", "-o", str(out), "--", *argv])
     meta = json.loads((out / "meta.json").read_text())
     assert all(t["lost"] == 0 for t in meta["threads"].values())
     return dt, sum(t["records"] for t in meta["threads"].values())
@@ -219,9 +205,10 @@ def print_table(rows: list[dict], startup: dict[str, float]) -> None:
     )
     print(
         "| workload | native s | branchtrace stream s | slowdown | M records/s "
+        "| branchtrace wrap s | slowdown "
         "| uftrace -P . s | slowdown | Frida JS Stalker s | slowdown | M events/s |"
     )
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 12)
 
     def traced(r: dict, key: str) -> float:
         return max(r[key] - startup.get(key, 0.0), 1e-9)
