@@ -330,3 +330,15 @@ def test_bad_files_give_one_line_errors(shm_dir, name, mutate, message):
         ring = Ring.open(bad)
         RingReader(ring).read()
     assert "\n" not in str(info.value)
+
+
+def test_default_store_lives_in_dev_shm():
+    t = TaskTrace(tid=4243, cap=MemoryCap(1 << 24))
+    try:
+        t.config(8192)
+        assert str(t.path).startswith("/dev/shm/") and "4243" in t.path.name
+        assert t.path.exists()
+    finally:
+        t.config(0)
+        t.close()
+    assert not t.path.exists()

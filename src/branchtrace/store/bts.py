@@ -115,7 +115,8 @@ def _mode_for(flags: Flags) -> Mode:
 
 
 class TaskTrace:
-    """One task's branch trace buffer, kept in the store file at `path`.
+    """One task's branch trace buffer, kept in the store file at `path` (by default
+    `/dev/shm/branchtrace-<pid>-<tid>.bts`).
 
     If the file exists it is opened; otherwise there is no buffer until :meth:`config`.
     `supported` names the flags the engine behind this trace can honour; asking for
@@ -124,13 +125,18 @@ class TaskTrace:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None = None,
         *,
         tid: int = 0,
         cap: MemoryCap | None = None,
         supported: Flags = ALL_FLAGS,
         notify_signal: int = int(signal.SIGIO),
     ) -> None:
+        if path is None:
+            path = (
+                Path("/dev/shm")
+                / f"branchtrace-{os.getpid()}-{tid or threading.get_native_id()}.bts"
+            )
         self.path = Path(path)
         self.tid = tid
         self.cap = cap or DEFAULT_CAP
