@@ -27,7 +27,7 @@ from ..store.format import WriterState
 from ..store.tracedir import TraceDir
 from ..symbols import ModuleMap
 from .info import info
-from .record import _CliEvents, print_summary
+from .record import _CliEvents, output_option, print_summary
 
 BATCH = 1 << 16
 
@@ -75,14 +75,7 @@ def show_last_branches(output: Path, tid: int, last: int) -> None:
 
 
 @click.command()
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    default="branchtrace.data",
-    show_default=True,
-    help="directory for the recording",
-)
+@output_option
 @click.option("--last", default=12, show_default=True, help="branches to show")
 @click.option(
     "--store",

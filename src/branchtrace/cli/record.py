@@ -55,8 +55,7 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     )
 
 
-@click.command(context_settings={"allow_interspersed_args": False})
-@click.option(
+output_option = click.option(
     "-o",
     "--output",
     type=click.Path(path_type=Path),
@@ -64,6 +63,10 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     show_default=True,
     help="directory for the recording",
 )
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@output_option
 @click.option(
     "--mode",
     type=click.Choice(["wrap", "stream", "drop"]),

@@ -184,14 +184,20 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
   return 0;
 }
 
-/* Publish everything and let go of the ring (the thread exits, or tracing stops). */
-void bt_thread_close(BtThread *t) {
-  if (t->closed)
-    return;
+/* Bring the writer's head up to the inline write pointer (or count what the scratch chunk
+   took while dropping), before C code writes or publishes. */
+static void sync_head(BtThread *t) {
   if (t->dropping)
     bt_lose(&t->w, ((uint64_t)t->wp - (uint64_t)t->scratch) / 8);
   else
     t->w.head = wp_position(t);
+}
+
+/* Publish everything and let go of the ring (the thread exits, or tracing stops). */
+void bt_thread_close(BtThread *t) {
+  if (t->closed)
+    return;
+  sync_head(t);
   t->closed = 1;
   t->wp = (uint64_t)t->scratch;
   bt_writer_close(&t->w);
@@ -219,10 +225,7 @@ static BtThread *current_thread(void) {
 void bt_thread_gap(BtThread *t, uint32_t reason) {
   if (t->closed)
     return;
-  if (t->dropping)
-    bt_lose(&t->w, ((uint64_t)t->wp - (uint64_t)t->scratch) / 8);
-  else
-    t->w.head = wp_position(t);
+  sync_head(t);
   uint64_t gap = bt_escape(BT_RECORDTYPE_GAP, 0, reason);
   bt_write(&t->w, &gap, 1);
   refill(t);
