@@ -102,15 +102,11 @@ def run_frida_js(argv: list[str]) -> tuple[float, int]:
     script.on("message", on_message)
     script.load()
     device.resume(pid)
-    while True:
+    while True:  # until the program is a zombie or gone (Frida reaps it, not us)
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        if (
-            Path(f"/proc/{pid}/stat").exists()
-            and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-        ):
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                break
+        except (OSError, IndexError):
             break
         time.sleep(0.005)
     return time.perf_counter() - t0, int(result.get("events", 0))
