@@ -204,14 +204,6 @@ void bt_thread_close(BtThread *t) {
   close(t->w.fd); /* releases the writer lock */
 }
 
-/* Publish data_head without closing: lets a live reader see everything written so far. */
-void bt_thread_flush(BtThread *t) {
-  if (!t->closed && !t->dropping) {
-    t->w.head = wp_position(t);
-    bt_writer_flush(&t->w);
-  }
-}
-
 static BtThread *current_thread(void) {
   uint32_t tid = (uint32_t)syscall(186 /* gettid */);
   int n = STATE->nthreads < BT_MAX_THREADS ? STATE->nthreads : BT_MAX_THREADS;

@@ -40,7 +40,6 @@ const cm = new CModule(PARAMS.cSource, {
 const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
-const threadFlush = new NativeFunction(cm.bt_thread_flush, 'void', ['pointer']);
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
 
@@ -130,11 +129,6 @@ rpc.exports = {
     tracing = true;
     for (const [tid, path] of Object.entries(paths)) {
       follow(parseInt(tid, 10), path);
-    }
-  },
-  flush() {
-    for (const t of threads.values()) {
-      threadFlush(t);
     }
   },
   stop() {
