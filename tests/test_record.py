@@ -135,6 +135,7 @@ def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs
     trace = TraceDir.open(tmp_path / "d")
     (tid,) = trace.threads()
     assert calls_to(trace, tid, programs["fork"], "f") == 3
+    assert trace.meta()["threads"][str(tid)]["gaps"] == {"fork": 1}
 
 
 def test_dlopen_is_recorded_as_a_module_load(tmp_path, programs):
@@ -289,3 +290,18 @@ def test_killing_the_tool_in_stream_mode_does_not_block_the_program(tmp_path, pr
     tool.stdout.close()
     tool.stderr.close()
     assert out.strip() == str(n * (n - 1) // 2)
+
+
+@pytest.mark.parametrize("mode", ["wrap", "stream"])
+def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mode):
+    # TODO(signal handlers): Stalker does not follow a handler the kernel enters; until it
+    # does, each entry must leave a GAP record and a warning, and no branch may span it.
+    res = record(tmp_path / "d", "--", str(programs["signal"]), mode=mode)
+    assert res.returncode == 0 and res.stdout.strip() == str(3 * signal.SIGUSR1)
+    assert "signal handlers ran 3 times untraced" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert trace.meta()["threads"][str(tid)]["gaps"] == {"signal": 3}
+    words, pos = trace.words(tid)
+    recs = parse_words(words, pos)
+    assert int((recs["type"] == RecordType.GAP).sum()) == 3

@@ -82,7 +82,7 @@ def recording_summary(path: Path) -> dict[str, Any]:
     threads = {}
     for tid in trace.threads():
         words, _ = trace.words(tid)
-        threads[str(tid)] = count_records(words)
+        threads[str(tid)] = count_records(words)[0]
     meta["records_per_thread"] = threads
     meta["modules"] = len([m for m in trace.modules() if m.event == "load"])
     return meta

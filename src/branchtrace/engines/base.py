@@ -32,6 +32,7 @@ class ThreadStats:
     records: int = 0
     lost: int = 0
     switches: int = 0  #: context switches recorded (with --sched)
+    gaps: dict[str, int] = field(default_factory=dict)  #: untraced stretches, by reason
 
 
 @dataclass

@@ -33,7 +33,7 @@ from ..errors import (
     PermissionDeniedError,
 )
 from ..store import Flags, Mode, Ring, RingReader
-from ..store.format import c_writer_source
+from ..store.format import GapReason, c_writer_source
 from ..store.records import count_records
 from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
 from .base import Events, RecordOptions, RecordResult, Target, ThreadStats
@@ -181,6 +181,7 @@ class _Recording:
         self.events = events
         self.rings: dict[int, tuple[Ring, RingReader | None, int | None]] = {}
         self.drained: dict[int, int] = {}  #: records moved to each thread's .stream file
+        self.gaps: dict[int, dict[int, int]] = {}  #: GAP records drained, by reason
         self.switches: dict[int, SwitchRecorder] = {}
         self.lock = threading.Lock()
         self.script: Any = None  # frida.core.Script
@@ -288,9 +289,12 @@ class _Recording:
             moved += recorder.poll()
         for tid, (_ring, reader, fd) in rings:
             if reader is not None and fd is not None:
-                nbytes, records = drain_to_file(reader, fd, final=final)
+                nbytes, records, gaps = drain_to_file(reader, fd, final=final)
                 moved += nbytes
                 self.drained[tid] = self.drained.get(tid, 0) + records
+                for reason, count in gaps.items():
+                    self.gaps.setdefault(tid, {})
+                    self.gaps[tid][reason] = self.gaps[tid].get(reason, 0) + count
         return moved
 
     def finish(self) -> dict[int, ThreadStats]:
@@ -309,11 +313,15 @@ class _Recording:
                     os.close(fd)
                 if reader is None:  # wrap: what the ring holds
                     words, _ = RingReader(ring).read_words()
-                    records = count_records(words)
+                    records, gaps = count_records(words)
                 else:
-                    records = self.drained.get(tid, 0)
+                    records, gaps = self.drained.get(tid, 0), self.gaps.get(tid, {})
                 ring.close()
-                stats[tid] = ThreadStats(records=records, lost=lost)
+                stats[tid] = ThreadStats(
+                    records=records,
+                    lost=lost,
+                    gaps={GapReason(r).name.lower(): n for r, n in gaps.items()},
+                )
             for tid, recorder in self.switches.items():
                 recorder.close()
                 switches = recorder.switches()
@@ -366,6 +374,15 @@ class StalkerEngine:
                     rec.finish()
                 tracedir.remove()
         result.warnings += rec.errors
+        untraced: dict[str, int] = {}
+        for stats in result.threads.values():
+            for reason, n in stats.gaps.items():
+                untraced[reason] = untraced.get(reason, 0) + n
+        if untraced.get("signal"):
+            result.warnings.append(
+                f"signal handlers ran {untraced['signal']} times untraced (Stalker does not "
+                "follow them); GAP records mark where"
+            )
         meta.update(
             {
                 "ended_ns": time.time_ns(),

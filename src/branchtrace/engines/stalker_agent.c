@@ -249,6 +249,34 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
     bt_after_fork();
 }
 
+/* Signal handlers: the kernel enters them natively, outside Stalker's code cache, so their
+   branches are not recorded.  Each handler the program installs gets an entry hook that
+   marks the gap in the interrupted thread's trace; it is never silent. */
+extern void bt_new_handler(void *handler);
+
+static void note_handler(void *handler) {
+  if ((uint64_t)handler > 1 /* not SIG_DFL or SIG_IGN */ && !in_forked_child())
+    bt_new_handler(handler);
+}
+
+void bt_on_signal(GumInvocationContext *ic) { /* signal(sig, handler) */
+  note_handler(gum_invocation_context_get_nth_argument(ic, 1));
+}
+
+void bt_on_sigaction(GumInvocationContext *ic) { /* sigaction(sig, act, old) */
+  void **act = gum_invocation_context_get_nth_argument(ic, 1);
+  if (act != NULL)
+    note_handler(act[0]); /* sa_handler / sa_sigaction: the union at offset 0 */
+}
+
+void bt_on_handler_entry(GumInvocationContext *ic) {
+  if (in_forked_child())
+    return;
+  BtThread *t = current_thread();
+  if (t != NULL)
+    bt_thread_gap(t, BT_GAPREASON_SIGNAL);
+}
+
 static void put_bytes(GumX86Writer *cw, const uint8_t *bytes, unsigned n) {
   gum_x86_writer_put_bytes(cw, bytes, n);
 }

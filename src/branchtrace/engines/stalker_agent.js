@@ -28,8 +28,17 @@ const afterFork = new NativeCallback(() => {
     Stalker.follow(tid, { transform: cm.transform, data: threads.get(tid) });
   }
 }, 'void', []);
+const hookedHandlers = new Set();
+const newHandler = new NativeCallback((handler) => {
+  const key = handler.toString();
+  if (!hookedHandlers.has(key)) {
+    hookedHandlers.add(key);
+    Interceptor.attach(handler, { onEnter: cm.bt_on_handler_entry });
+  }
+}, 'void', ['pointer']);
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
+  bt_new_handler: newHandler,
   bt_state: state,
   bt_before_fork: beforeFork,
   bt_after_fork: afterFork,
@@ -99,6 +108,15 @@ Process.attachThreadObserver({
     }
   },
 });
+
+// Signal handlers run untraced; their entries are marked (see stalker_agent.c).
+for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
+  const f = Module.findGlobalExportByName(name);
+  if (f !== null) {
+    Interceptor.attach(f, { onEnter: cm.bt_on_signal });
+  }
+}
+Interceptor.attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
 
 // fork(): handled in C, because no JavaScript can run in a forked child.
 Interceptor.attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });

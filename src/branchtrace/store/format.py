@@ -94,6 +94,7 @@ class BranchKind(IntEnum):
 
 class GapReason(IntEnum):
     FORK = 1  #: fork() runs untraced (Frida Stalker cannot follow a thread through it)
+    SIGNAL = 2  #: a signal handler runs untraced (the kernel enters it outside Stalker)
 
 
 class Mode(IntEnum):

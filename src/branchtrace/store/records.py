@@ -182,13 +182,19 @@ def parse_meta(buf: bytes | memoryview, where: str = "metadata") -> list[MetaEnt
     return entries
 
 
-def count_records(words: np.ndarray) -> int:
-    """How many records (PAD excluded) `words` holds, without building them."""
+def count_records(words: np.ndarray) -> tuple[int, dict[int, int]]:
+    """How many records (PAD excluded) `words` holds, and how many GAP records of each
+    reason, without building them."""
     w = np.asarray(words, dtype=_U64)
     escapes = w >= ESCAPE_BIT
     if not escapes.any():  # the usual case: nothing but BLOCK words
-        return int(w.size)
+        return int(w.size), {}
     headers = w[escapes]
+    types = (headers >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)
     payload = int(((headers >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).sum())
-    pads = int((((headers >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)) == RecordType.PAD).sum())
-    return w.size - payload - pads
+    pads = int((types == RecordType.PAD).sum())
+    reasons, counts = np.unique(
+        headers[types == RecordType.GAP] & _U64(ARG_MASK), return_counts=True
+    )
+    gaps = {int(r): int(c) for r, c in zip(reasons, counts, strict=True)}
+    return w.size - payload - pads, gaps

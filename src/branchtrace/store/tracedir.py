@@ -161,9 +161,12 @@ def _is_ours(name: str) -> bool:
     )
 
 
-def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> tuple[int, int]:
+def drain_to_file(
+    reader: RingReader, fd: int, *, final: bool = False
+) -> tuple[int, int, dict[int, int]]:
     """Append what the consumer `reader` can take from its ring to `fd`, straight from the
-    shared mapping, and release it to the writer.  Returns (bytes, records) moved.
+    shared mapping, and release it to the writer.  Returns (bytes, records, GAP records by
+    reason) moved.
 
     `final`: the writer is gone; also take the records it wrote past data_head.
     """
@@ -173,14 +176,19 @@ def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> tuple[
         ring._set("data_head", head)
     tail = ring.tail
     if head <= tail:
-        return 0, 0
+        return 0, 0, {}
     mask = ring.data_size - 1
     start, end = tail & mask, head & mask
     words = ring._data
-    if end > start:
-        records = count_records(words[start // 8 : end // 8])
-    else:
-        records = count_records(words[start // 8 :]) + count_records(words[: end // 8])
+    pieces_words = (
+        [words[start // 8 : end // 8]] if end > start else [words[start // 8 :], words[: end // 8]]
+    )
+    records, gaps = 0, dict[int, int]()
+    for piece_words in pieces_words:
+        n, g = count_records(piece_words)
+        records += n
+        for reason, count in g.items():
+            gaps[reason] = gaps.get(reason, 0) + count
     with memoryview(ring._mm) as mapping:
         view = mapping[HEADER_SIZE : HEADER_SIZE + ring.data_size]
         pieces = [view[start:end]] if end > start else [view[start:], view[:end]]
@@ -191,4 +199,4 @@ def drain_to_file(reader: RingReader, fd: int, *, final: bool = False) -> tuple[
             piece.release()
         view.release()
     reader.advance(head)
-    return head - tail, records
+    return head - tail, records, gaps
