@@ -46,11 +46,11 @@ MIN_BUFFER = 8 * CHUNK
 _PRELUDE = """
 #include <gum/gumstalker.h>
 #include <gum/guminterceptor.h>
-extern int bt_is_frida_code(uint64_t address);
 typedef guint8 uint8_t;
 typedef guint16 uint16_t;
 typedef guint32 uint32_t;
 typedef guint64 uint64_t;
+extern int bt_is_frida_code(uint64_t address);
 extern long syscall(long n, ...);
 extern int open(const char *path, int flags, ...);
 extern int close(int fd);
@@ -175,10 +175,9 @@ def _frida_error(e: Exception, what: str) -> BranchtraceError:
 class _Recording:
     """The rings of one recording, their consumers, and the drain thread."""
 
-    def __init__(self, tracedir: TraceDir, options: RecordOptions, events: Events) -> None:
+    def __init__(self, tracedir: TraceDir, options: RecordOptions) -> None:
         self.tracedir = tracedir
         self.options = options
-        self.events = events
         self.rings: dict[int, tuple[Ring, RingReader | None, int | None]] = {}
         self.drained: dict[int, int] = {}  #: records moved to each thread's .stream file
         self.gaps: dict[int, dict[int, int]] = {}  #: GAP records drained, by reason
@@ -349,7 +348,7 @@ class StalkerEngine:
         if target.pid is not None:
             _check_attachable(target.pid)
         tracedir = TraceDir.create(options.output)
-        rec = _Recording(tracedir, options, events)
+        rec = _Recording(tracedir, options)
         meta: dict[str, Any] = {
             "engine": self.name,
             "mode": options.mode.name.lower(),
