@@ -305,3 +305,5 @@ def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mo
     words, pos = trace.words(tid)
     recs = parse_words(words, pos)
     assert int((recs["type"] == RecordType.GAP).sum()) == 3
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert "untraced stretches (GAP records): signal 3" in info.stdout

@@ -130,6 +130,16 @@ def info(path: Path, as_json: bool) -> None:
             f"{meta['modules']} modules",
             markup=False,
         )
+        gaps: dict[str, int] = {}
+        for thread in (meta.get("threads") or {}).values():
+            for reason, n in (thread.get("gaps") or {}).items():
+                gaps[reason] = gaps.get(reason, 0) + n
+        if gaps:
+            out.print(
+                "untraced stretches (GAP records): "
+                + ", ".join(f"{reason} {n}" for reason, n in sorted(gaps.items())),
+                markup=False,
+            )
         for w in meta.get("warnings") or []:
             out.print(f"warning: {w}", markup=False)
     per_thread = meta["records_per_thread"] if meta else {}
