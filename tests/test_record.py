@@ -307,3 +307,44 @@ def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mo
     assert int((recs["type"] == RecordType.GAP).sum()) == 3
     info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
     assert "untraced stretches (GAP records): signal 3" in info.stdout
+
+
+def test_ctrl_c_when_attached_stops_detaches_and_keeps_the_trace(tmp_path, programs):
+    target = subprocess.Popen([programs["spin"]], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout.readline().startswith("ready")
+        tool = subprocess.Popen(
+            [*BT, "record", "-o", str(tmp_path / "d"), "-p", str(target.pid)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert "Ctrl-C to stop and detach" in tool.stderr.readline()
+        time.sleep(0.3)
+        tool.send_signal(signal.SIGINT)
+        _, err = tool.communicate(timeout=30)
+        assert tool.returncode == 0 and "detached from pid" in err
+        out, _ = target.communicate(timeout=30)
+    finally:
+        target.kill()
+        target.wait()
+    assert target.returncode == 0 and out.strip() == str(sum(range(1500)))
+    trace = TraceDir.open(tmp_path / "d")
+    assert sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads()) > 20
+
+
+def test_ctrl_c_when_spawned_ends_the_program_and_keeps_the_trace(tmp_path, programs):
+    tool = subprocess.Popen(
+        [*BT, "record", "-o", str(tmp_path / "d"), "--", str(programs["spin"])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert tool.stdout.readline().startswith("ready")
+    time.sleep(0.3)
+    tool.send_signal(signal.SIGINT)
+    _, err = tool.communicate(timeout=30)
+    assert tool.returncode == 128 + signal.SIGINT and "killed by SIGINT" in err
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert trace.meta()["signal"] == signal.SIGINT
+    assert calls_to(trace, tid, programs["spin"], "f") > 20
