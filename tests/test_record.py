@@ -42,6 +42,32 @@ def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
     return int(((b["to"] == address) & (b["kind"] == BranchKind.CALL)).sum())
 
 
+SPIN_OUTPUT = str(sum(range(1500)))
+
+
+@pytest.fixture
+def spin(programs):
+    """The attach target, running and past its "ready" line; killed afterwards if alive."""
+    target = subprocess.Popen([programs["spin"]], stdout=subprocess.PIPE, text=True)
+    assert target.stdout.readline().startswith("ready")
+    yield target
+    target.kill()
+    target.communicate()
+
+
+def recording_of_spin(out: Path, programs) -> subprocess.Popen:
+    """`record -- spin`, 0.3 s after the program said it is ready."""
+    tool = subprocess.Popen(
+        [*BT, "record", "-o", str(out), "--", str(programs["spin"])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert tool.stdout.readline().startswith("ready")
+    time.sleep(0.3)
+    return tool
+
+
 @pytest.mark.parametrize("mode", ["stream", "wrap", "drop"])
 def test_loop23_gives_23_calls_of_f(tmp_path, programs, mode):
     res = record(tmp_path / "d", "--", str(programs["loop23"]), mode=mode)
@@ -110,18 +136,12 @@ def test_stream_of_100m_branches_loses_nothing(tmp_path, programs):
         subprocess.run(["rm", "-rf", str(out)], check=False)
 
 
-def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, programs):
-    target = subprocess.Popen([programs["spin"]], stdout=subprocess.PIPE, text=True)
-    try:
-        assert target.stdout.readline().startswith("ready")
-        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.5")
-        assert res.returncode == 0, res.stderr
-        assert "detached" in res.stderr
-        out, _ = target.communicate(timeout=30)
-    finally:
-        target.kill()
-        target.wait()
-    assert target.returncode == 0 and out.strip() == str(sum(range(1500)))
+def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, programs, spin):
+    res = record(tmp_path / "d", "-p", str(spin.pid), "--duration", "0.5")
+    assert res.returncode == 0, res.stderr
+    assert "detached" in res.stderr
+    out, _ = spin.communicate(timeout=30)
+    assert spin.returncode == 0 and out.strip() == SPIN_OUTPUT
     trace = TraceDir.open(tmp_path / "d")
     assert trace.meta()["detached"] is True
     calls = sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads())
@@ -148,21 +168,14 @@ def test_dlopen_is_recorded_as_a_module_load(tmp_path, programs):
 
 def test_the_tool_killed_leaves_the_program_running_and_the_trace_readable(tmp_path, programs):
     out = tmp_path / "d"
-    tool = subprocess.Popen(
-        [*BT, "record", "-o", str(out), "--", str(programs["spin"])],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert tool.stdout.readline().startswith("ready")
-    time.sleep(0.3)
+    tool = recording_of_spin(out, programs)
     tool.send_signal(signal.SIGKILL)
     tool.wait()
     # the program is orphaned, not stopped: it finishes on its own with the right output
     rest = tool.stdout.read()
     tool.stdout.close()
     tool.stderr.close()
-    assert rest.strip() == str(sum(range(1500)))
+    assert rest.strip() == SPIN_OUTPUT
     info = subprocess.run([*BT, "info", str(out), "--json"], capture_output=True, text=True)
     assert info.returncode == 0, info.stderr
     assert (
@@ -209,25 +222,19 @@ def test_non_executable_non_elf_and_unwritable_output(tmp_path):
     assert res.returncode == 3 and "cannot write" in res.stderr
 
 
-def test_an_already_traced_process_is_refused(tmp_path, programs):
-    target = subprocess.Popen([programs["spin"]], stdout=subprocess.PIPE, text=True)
-    first = None
+def test_an_already_traced_process_is_refused(tmp_path, spin):
+    first = subprocess.Popen(
+        [*BT, "record", "-o", str(tmp_path / "a"), "-p", str(spin.pid), "--duration", "3"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert target.stdout.readline().startswith("ready")
-        first = subprocess.Popen(
-            [*BT, "record", "-o", str(tmp_path / "a"), "-p", str(target.pid), "--duration", "3"],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
         assert "recording" in first.stderr.readline()
-        res = record(tmp_path / "b", "-p", str(target.pid))
+        res = record(tmp_path / "b", "-p", str(spin.pid))
         assert res.returncode == 14 and "already traced by branchtrace" in res.stderr
     finally:
-        if first is not None:
-            first.send_signal(signal.SIGINT)
-            first.communicate(timeout=30)
-        target.kill()
-        target.communicate()
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=30)
 
 
 def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
@@ -309,38 +316,25 @@ def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mo
     assert "untraced stretches (GAP records): signal 3" in info.stdout
 
 
-def test_ctrl_c_when_attached_stops_detaches_and_keeps_the_trace(tmp_path, programs):
-    target = subprocess.Popen([programs["spin"]], stdout=subprocess.PIPE, text=True)
-    try:
-        assert target.stdout.readline().startswith("ready")
-        tool = subprocess.Popen(
-            [*BT, "record", "-o", str(tmp_path / "d"), "-p", str(target.pid)],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert "Ctrl-C to stop and detach" in tool.stderr.readline()
-        time.sleep(0.3)
-        tool.send_signal(signal.SIGINT)
-        _, err = tool.communicate(timeout=30)
-        assert tool.returncode == 0 and "detached from pid" in err
-        out, _ = target.communicate(timeout=30)
-    finally:
-        target.kill()
-        target.wait()
-    assert target.returncode == 0 and out.strip() == str(sum(range(1500)))
+def test_ctrl_c_when_attached_stops_detaches_and_keeps_the_trace(tmp_path, programs, spin):
+    tool = subprocess.Popen(
+        [*BT, "record", "-o", str(tmp_path / "d"), "-p", str(spin.pid)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert "Ctrl-C to stop and detach" in tool.stderr.readline()
+    time.sleep(0.3)
+    tool.send_signal(signal.SIGINT)
+    _, err = tool.communicate(timeout=30)
+    assert tool.returncode == 0 and "detached from pid" in err
+    out, _ = spin.communicate(timeout=30)
+    assert spin.returncode == 0 and out.strip() == SPIN_OUTPUT
     trace = TraceDir.open(tmp_path / "d")
     assert sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads()) > 20
 
 
 def test_ctrl_c_when_spawned_ends_the_program_and_keeps_the_trace(tmp_path, programs):
-    tool = subprocess.Popen(
-        [*BT, "record", "-o", str(tmp_path / "d"), "--", str(programs["spin"])],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert tool.stdout.readline().startswith("ready")
-    time.sleep(0.3)
+    tool = recording_of_spin(tmp_path / "d", programs)
     tool.send_signal(signal.SIGINT)
     _, err = tool.communicate(timeout=30)
     assert tool.returncode == 128 + signal.SIGINT and "killed by SIGINT" in err
