@@ -31,12 +31,13 @@ def record(out: Path, *args: str, mode: str = "stream", **kw) -> subprocess.Comp
     )
 
 
-def modules(trace: TraceDir) -> ModuleMap:
-    return ModuleMap([(m.base, m.size, m.path) for m in trace.modules() if m.event == "load"])
+def modules(trace: TraceDir, tid: int) -> ModuleMap:
+    loads = trace.modules(trace.thread_pid(tid))
+    return ModuleMap([(m.base, m.size, m.path) for m in loads if m.event == "load"])
 
 
 def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
-    address = modules(trace).runtime_address(program.name, function)
+    address = modules(trace, tid).runtime_address(program.name, function)
     assert address is not None, f"{function} not found in {program}"
     b = thread_branches(trace, tid)
     return int(((b["to"] == address) & (b["kind"] == BranchKind.CALL)).sum())
@@ -112,7 +113,7 @@ def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode):
     (tid,) = trace.threads()
     words, pos = trace.words(tid)
     last = parse_words(words, pos)[-1]
-    boom = modules(trace).runtime_address("crash", "boom")
+    boom = modules(trace, tid).runtime_address("crash", "boom")
     assert last["type"] == RecordType.BLOCK and last["a"] == boom  # boom's only block
     assert calls_to(trace, tid, programs["crash"], "boom") == 1
 
@@ -126,7 +127,7 @@ def test_stream_of_100m_branches_loses_nothing(tmp_path, programs):
         assert res.stdout.strip() == str(n * (n - 1) // 2)
         trace = TraceDir.open(out)
         (tid,) = trace.threads()
-        f = modules(trace).runtime_address("bigloop", "f")
+        f = modules(trace, tid).runtime_address("bigloop", "f")
         words, _ = trace.words(tid)
         assert words.size > 100_000_000
         starts = words & np.uint64(BLOCK_ADDR_MASK)
@@ -156,6 +157,48 @@ def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs
     (tid,) = trace.threads()
     assert calls_to(trace, tid, programs["fork"], "f") == 3
     assert trace.meta()["threads"][str(tid)]["gaps"] == {"fork": 1}
+
+
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_follow_fork_traces_parent_and_child_exactly(tmp_path, programs, mode):
+    res = record(tmp_path / "d", "--follow-fork", "--", str(programs["fork"]), mode=mode)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["child 10", "parent 3 child-status 0"]
+    assert "following forks" in res.stderr and "2 processes" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    meta = trace.meta()
+    parent = meta["pid"]
+    ((child, ending),) = meta["processes"].items()
+    assert ending == {"ppid": parent, "exit_code": 0, "signal": None}
+    assert {meta["threads"][str(t)]["pid"] for t in trace.threads()} == {parent, int(child)}
+    assert calls_to(trace, parent, programs["fork"], "f") == 3
+    assert calls_to(trace, int(child), programs["fork"], "f") == 5
+    # the parent's trace marks the untraced fork() itself; the child's starts after it
+    assert meta["threads"][str(parent)]["gaps"] == {"fork": 1}
+
+
+def test_follow_fork_still_traces_every_thread(tmp_path, programs):
+    res = record(tmp_path / "d", "--follow-fork", "--", str(programs["threads"]))
+    assert res.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert len(trace.threads()) == 5
+    assert trace.meta()["untraced_threads"] == []
+
+
+def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, programs):
+    target = subprocess.Popen([programs["forkloop"]], stdout=subprocess.PIPE, text=True)
+    assert target.stdout.readline().startswith("ready")
+    res = record(tmp_path / "d", "--follow-fork", "--duration", "2", "-p", str(target.pid))
+    out, _ = target.communicate(timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert out.strip() == "40" and target.returncode == 0
+    trace = TraceDir.open(tmp_path / "d")
+    meta = trace.meta()
+    finished = [int(p) for p, e in meta["processes"].items() if e.get("exit_code") == 0]
+    assert len(finished) >= 2, meta["processes"]
+    assert all(e["ppid"] == target.pid for e in meta["processes"].values())
+    for child in finished:
+        assert calls_to(trace, child, programs["forkloop"], "f") == 7
 
 
 def test_dlopen_is_recorded_as_a_module_load(tmp_path, programs):

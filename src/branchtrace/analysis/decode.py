@@ -83,7 +83,8 @@ def thread_branches(trace: TraceDir, tid: int) -> np.ndarray:
     chain: no branch is invented across them."""
     words, pos = trace.words(tid)
     recs = parse_words(words, pos)
-    modules = ModuleMap([(m.base, m.size, m.path) for m in trace.modules() if m.event == "load"])
+    loads = trace.modules(trace.thread_pid(tid))
+    modules = ModuleMap([(m.base, m.size, m.path) for m in loads if m.event == "load"])
     blocks = recs["type"] == RecordType.BLOCK
     breaks = (recs["type"] == RecordType.LOST) | (recs["type"] == RecordType.GAP)
     segment = np.cumsum(breaks)[blocks]

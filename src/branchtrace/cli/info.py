@@ -98,6 +98,8 @@ def _ending(meta: dict[str, Any]) -> str:
         return f"exited with status {meta['exit_code']}"
     if meta.get("detached"):
         return "detached, left running"
+    if "ppid" in meta:  # a forked child's entry
+        return "ended"
     if "ended_ns" not in meta:
         return "recording did not finish (the recorder was killed); rings recovered below"
     return "ended"
@@ -130,6 +132,17 @@ def info(path: Path, as_json: bool) -> None:
             f"{meta['modules']} modules",
             markup=False,
         )
+        children = meta.get("processes") or {}
+        if children:
+            endings: dict[str, int] = {}
+            for ending in children.values():
+                key = _ending(ending).split(",")[0]
+                endings[key] = endings.get(key, 0) + 1
+            out.print(
+                f"followed {len(children)} forked child process(es): "
+                + ", ".join(f"{n} {e}" for e, n in sorted(endings.items())),
+                markup=False,
+            )
         gaps: dict[str, int] = {}
         for thread in (meta.get("threads") or {}).values():
             for reason, n in (thread.get("gaps") or {}).items():

@@ -26,16 +26,16 @@ class _CliEvents:
         err.print(f"branchtrace: warning: {message}", markup=False)
 
 
-def _ending(result: RecordResult, what: str) -> str:
-    if result.signal is not None:
+def _ending(what: str, exit_code: object, signum: object, detached: object) -> str:
+    if isinstance(signum, int):
         try:
-            name = signal.Signals(result.signal).name
+            name = signal.Signals(signum).name
         except ValueError:
-            name = f"signal {result.signal}"
+            name = f"signal {signum}"
         return f"{what} was killed by {name}"
-    if result.exit_code is not None:
-        return f"{what} exited with status {result.exit_code}"
-    if result.detached:
+    if exit_code is not None:
+        return f"{what} exited with status {exit_code}"
+    if detached:
         return f"detached from {what}; it keeps running"
     return f"{what} ended"
 
@@ -44,10 +44,22 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     """Warnings, then one line: how the program ended and what was recorded."""
     for w in result.warnings:
         _CliEvents().warning(w)
+    for pid, ending in result.processes.items():
+        if ending.get("signal") is not None or ending.get("detached"):
+            _CliEvents().warning(
+                _ending(
+                    f"forked child {pid}",
+                    ending.get("exit_code"),
+                    ending.get("signal"),
+                    ending.get("detached"),
+                )
+            )
     n = len(result.threads)
+    processes = f"{len(result.processes) + 1} processes, " if result.processes else ""
     switches = sum(t.switches for t in result.threads.values())
     err.print(
-        f"branchtrace: {_ending(result, what)}; {n} thread{'s' if n != 1 else ''}, "
+        f"branchtrace: {_ending(what, result.exit_code, result.signal, result.detached)}; "
+        f"{processes}{n} thread{'s' if n != 1 else ''}, "
         f"{result.records:,} records, {result.lost:,} lost"
         + (f", {switches:,} context switches" if sched else "")
         + f" -> {result.output}",
@@ -88,6 +100,11 @@ output_option = click.option(
     is_flag=True,
     help="also record context switches (departs/arrives, time, CPU) per thread",
 )
+@click.option(
+    "--follow-fork",
+    is_flag=True,
+    help="also trace the child processes the program forks (each thread into DIR)",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def record(
     output: Path,
@@ -96,6 +113,7 @@ def record(
     pid: int | None,
     duration: float | None,
     sched: bool,
+    follow_fork: bool,
     command: tuple[str, ...],
 ) -> None:
     """Record the branch trace of COMMAND (after --) or of a running process (-p PID).
@@ -114,6 +132,7 @@ def record(
         buffer_size=parse_size(buffer_size),
         duration=duration,
         sched=sched,
+        follow_fork=follow_fork,
     )
     stop = threading.Event()
 

@@ -25,10 +25,12 @@ class RecordOptions:
     buffer_size: int = 16 << 20  #: bytes per thread ring, a power of two
     duration: float | None = None  #: seconds; None: until the program ends or stop is set
     sched: bool = False  #: also record context switches (perf software events)
+    follow_fork: bool = False  #: trace the children the program forks, too
 
 
 @dataclass
 class ThreadStats:
+    pid: int = 0  #: the process the thread belongs to
     records: int = 0
     lost: int = 0
     switches: int = 0  #: context switches recorded (with --sched)
@@ -44,6 +46,8 @@ class RecordResult:
     signal: int | None = None  #: the signal that killed it, if one did
     detached: bool = False  #: we let go of a process that is still running
     warnings: list[str] = field(default_factory=list)
+    #: --follow-fork: how each traced child ended: ppid, exit_code / signal / detached
+    processes: dict[int, dict[str, object]] = field(default_factory=dict)
 
     @property
     def records(self) -> int:

@@ -11,7 +11,9 @@ from the rings (docs/format.md, "a late reader").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import queue
 import shutil
 import signal
 import threading
@@ -172,6 +174,22 @@ def _frida_error(e: Exception, what: str) -> BranchtraceError:
     return EngineUnavailableError(f"{what}: Frida failed: {e}")
 
 
+class _Agent:
+    """The agent loaded into one process of the recording."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.script: Any = None  # frida.core.Script
+        self.ready = threading.Event()
+        self.errors: list[str] = []
+
+    def check_ready(self) -> None:
+        """The agent set itself up, or the recording of this process cannot start."""
+        if not self.ready.wait(30) or self.errors:
+            why = self.errors[0] if self.errors else "no answer from the agent"
+            raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
+
+
 class _Recording:
     """The rings of one recording, their consumers, and the drain thread."""
 
@@ -182,14 +200,29 @@ class _Recording:
         self.drained: dict[int, int] = {}  #: records moved to each thread's .stream file
         self.gaps: dict[int, dict[int, int]] = {}  #: GAP records drained, by reason
         self.switches: dict[int, SwitchRecorder] = {}
+        self.thread_pid: dict[int, int] = {}  #: the process of each traced thread
+        #: threads started at code in no module (Frida's own): left alone, listed in meta
+        self.untraced_threads: list[dict[str, Any]] = []
         self.lock = threading.Lock()
-        self.script: Any = None  # frida.core.Script
         self.errors: list[str] = []
-        self.ready = threading.Event()
         self._done = threading.Event()
         self._drainer: threading.Thread | None = None
 
-    def add_thread(self, tid: int) -> Path:
+    def load_agent(self, session: Any, pid: int, spawn: bool, main_ring: Path | None) -> _Agent:
+        """Load the agent into the process of `session`; raises if it does not start."""
+        agent = _Agent(pid)
+        params = {
+            "cSource": agent_c_source(),
+            "mainRing": str(main_ring) if main_ring else None,
+            "spawn": spawn,
+        }
+        agent.script = session.create_script(agent_script(params))
+        agent.script.on("message", lambda message, data: self.on_message(agent, message))
+        agent.script.load()
+        agent.check_ready()
+        return agent
+
+    def add_thread(self, tid: int, pid: int) -> Path:
         path = self.tracedir.ring_path(tid)
         ring = Ring.create(
             path,
@@ -211,6 +244,7 @@ class _Recording:
             )
         with self.lock:
             self.rings[tid] = (ring, reader, stream_fd)
+            self.thread_pid[tid] = pid
         if self.options.sched:
             self._watch_switches(tid)
         return path
@@ -227,24 +261,26 @@ class _Recording:
         with self.lock:
             self.switches[tid] = recorder
 
-    def on_message(self, message: Any, data: bytes | None) -> None:
+    def on_message(self, agent: _Agent, message: Any) -> None:
         if message.get("type") == "error":
-            self._error(f"agent: {message.get('description', message)}")
-            self.ready.set()
+            problem = f"agent: {message.get('description', message)}"
+            agent.errors.append(problem)
+            self._error(problem)
+            agent.ready.set()
             return
         payload = message.get("payload") or {}
         kind = payload.get("type")
         if kind == "ready":
-            self.ready.set()
+            agent.ready.set()
         elif kind == "thread-start":
             tid = int(payload["tid"])
             try:
-                reply: dict[str, Any] = {"type": f"ring:{tid}", "path": str(self.add_thread(tid))}
+                path = self.add_thread(tid, agent.pid)
+                reply: dict[str, Any] = {"type": f"ring:{tid}", "path": str(path)}
             except BranchtraceError as e:
                 self._error(f"thread {tid} not traced: {e}")
                 reply = {"type": f"ring:{tid}", "path": None}
-            assert self.script is not None
-            self.script.post(reply)
+            agent.script.post(reply)
         elif kind == "module":
             self.tracedir.append_module(
                 ModuleEvent(
@@ -253,20 +289,21 @@ class _Recording:
                     int(payload["size"]),
                     payload["path"],
                     time.time_ns(),
+                    agent.pid,
                 )
             )
+        elif kind == "thread-untraced":
+            self.untraced_threads.append(
+                {"pid": agent.pid, "tid": int(payload["tid"]), "start": payload["routine"]}
+            )
         elif kind == "error":
+            agent.errors.append(str(payload.get("message")))
             self._error(str(payload.get("message")))
+            agent.ready.set()
 
     def _error(self, message: str) -> None:
         if message not in self.errors:
             self.errors.append(message)
-
-    def check_ready(self) -> None:
-        """The agent set itself up, or the recording cannot start."""
-        if not self.ready.wait(30) or self.errors:
-            why = self.errors[0] if self.errors else "no answer from the agent"
-            raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
 
     def start_draining(self) -> None:
         if self.options.mode == Mode.WRAP and not self.options.sched:
@@ -317,6 +354,7 @@ class _Recording:
                     records, gaps = self.drained.get(tid, 0), self.gaps.get(tid, {})
                 ring.close()
                 stats[tid] = ThreadStats(
+                    pid=self.thread_pid[tid],
                     records=records,
                     lost=lost,
                     gaps={GapReason(r).name.lower(): n for r, n in gaps.items()},
@@ -331,6 +369,94 @@ class _Recording:
         return stats
 
 
+class _ForkFollower:
+    """--follow-fork: Frida holds each child a traced process forks before it runs (child
+    gating); the child gets its own agent and rings, its thread is followed, then it runs.
+    Its trace starts where fork() returns in the child."""
+
+    def __init__(self, device: Any, rec: _Recording, watcher: ExitWatcher) -> None:
+        self.device = device
+        self.rec = rec
+        self.watcher = watcher
+        self.children: dict[int, tuple[Any, _Agent | None]] = {}  #: pid -> session, agent
+        self.parents: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Loading an agent waits for messages that Frida's dispatch thread delivers, so
+        # the children are handled on a thread of our own, never in the signal handler.
+        self._worker = threading.Thread(target=self._run, name="bt-forks", daemon=True)
+        self._worker.start()
+        device.on("child-added", self._on_child_added)
+
+    def _on_child_added(self, child: Any) -> None:
+        self._queue.put(child)
+
+    def watch(self, session: Any) -> None:
+        session.enable_child_gating()
+
+    def _run(self) -> None:
+        while (child := self._queue.get()) is not None:
+            self._trace(child)
+
+    def _trace(self, child: Any) -> None:
+        pid = int(child.pid)
+        self.parents[pid] = int(child.parent_pid)
+        if child.origin != "fork":  # an exec'ed or spawned image: not a fork of our program
+            with contextlib.suppress(Exception):
+                self.device.resume(pid)
+            return
+        session = agent = None
+        try:
+            session = self.device.attach(pid)
+            session.on("detached", lambda reason, crash: self.ended.add(pid))
+            self.watch(session)
+            ring = self.rec.add_thread(pid, pid)
+            agent = self.rec.load_agent(session, pid, spawn=False, main_ring=None)
+            agent.script.exports_sync.follow_all({str(pid): str(ring)})
+        except Exception as e:
+            self.rec._error(f"forked child {pid} is not traced: {e}")
+        finally:
+            self.children[pid] = (session, agent)
+            with contextlib.suppress(Exception):
+                self.device.resume(pid)
+
+    def running(self) -> list[int]:
+        return [
+            pid
+            for pid in self.children
+            if pid not in self.ended and self.watcher.status(pid, timeout=0) is None
+        ]
+
+    def wait(self, stop: threading.Event, deadline: float | None) -> None:
+        """Until every traced child has ended, or the recording is stopped."""
+        while self.running() and not stop.is_set():
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            stop.wait(0.01)
+
+    def close(self) -> dict[int, dict[str, Any]]:
+        """Stop following; detach from the children still running.  Each child's ending."""
+        self.device.off("child-added", self._on_child_added)
+        self._queue.put(None)
+        self._worker.join()
+        running = set(self.running())
+        processes = {}
+        for pid, (session, agent) in self.children.items():
+            ending: dict[str, Any] = {"ppid": self.parents.get(pid)}
+            if pid in running:
+                with contextlib.suppress(Exception):
+                    if agent is not None:
+                        agent.script.exports_sync.stop()
+                    session.detach()
+                ending["detached"] = True
+            else:
+                status = self.watcher.status(pid, timeout=2)
+                if status is not None:
+                    ending["exit_code"], ending["signal"] = describe(status)
+            processes[pid] = ending
+        return processes
+
+
 class StalkerEngine:
     name = "stalker"
 
@@ -343,7 +469,7 @@ class StalkerEngine:
                 f"buffer size {options.buffer_size} is too small for the stalker engine",
                 hint=f"use at least {MIN_BUFFER // 1024}K",
             )
-        options = RecordOptions(options.output, options.mode, size, options.duration, options.sched)
+        options = dataclasses.replace(options, buffer_size=size)
         program = resolve_program(target.argv[0]) if target.argv else None
         if target.pid is not None:
             _check_attachable(target.pid)
@@ -389,6 +515,8 @@ class StalkerEngine:
                 "exit_code": result.exit_code,
                 "signal": result.signal,
                 "detached": result.detached,
+                "processes": {str(p): e for p, e in result.processes.items()},
+                "untraced_threads": rec.untraced_threads,
                 "warnings": result.warnings,
                 "threads": {str(t): s.__dict__ for t, s in result.threads.items()},
             }
@@ -419,16 +547,8 @@ class StalkerEngine:
         rec.tracedir.write_meta(meta)
         try:
             session = device.attach(pid)
-            main_ring = rec.add_thread(pid)
-            script = session.create_script(
-                agent_script(
-                    {"cSource": agent_c_source(), "mainRing": str(main_ring), "spawn": True}
-                )
-            )
-            rec.script = script
-            script.on("message", rec.on_message)
-            script.load()
-            rec.check_ready()
+            main_ring = rec.add_thread(pid, pid)
+            rec.load_agent(session, pid, spawn=True, main_ring=main_ring)
         except BaseException as e:
             with contextlib.suppress(Exception):
                 os.kill(pid, signal.SIGKILL)
@@ -447,17 +567,26 @@ class StalkerEngine:
         session.on("detached", on_detached)
         events.started(
             f"recording {argv[0]} (pid {pid}) from main with the stalker engine, "
-            f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread, "
-            f"into {rec.tracedir.path}; Ctrl-C to stop"
+            f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread"
+            + (", following forks" if options.follow_fork else "")
+            + f", into {rec.tracedir.path}; Ctrl-C to stop"
         )
         rec.start_draining()
         exited, status = _watch_child(pid)
         watcher = ExitWatcher()
+        forks = None
+        if options.follow_fork:
+            forks = _ForkFollower(device, rec, watcher)
+            forks.watch(session)
+        deadline = None if options.duration is None else time.monotonic() + options.duration
         device.resume(pid)
-        self._wait_child(pid, stop, options.duration, exited, status)
+        self._wait_child(pid, stop, deadline, exited, status)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         result = RecordResult(rec.tracedir.path, pid)
+        if forks is not None:
+            forks.wait(stop, deadline)
+            result.processes = forks.close()
         if replaced.is_set() or pid in watcher.execs:
             result.warnings.append(
                 f"{argv[0]} called exec: the new program image was not traced "
@@ -483,11 +612,10 @@ class StalkerEngine:
     def _wait_child(
         pid: int,
         stop: threading.Event,
-        duration: float | None,
+        deadline: float | None,
         exited: threading.Event,
         status: list[os.waitid_result],
     ) -> None:
-        deadline = None if duration is None else time.monotonic() + duration
         interrupted_at = None
         while not exited.wait(0.005):
             now = time.monotonic()
@@ -525,16 +653,11 @@ class StalkerEngine:
             pass
         rec.tracedir.write_meta(meta)
         try:
-            session = frida.attach(pid)
-            script = session.create_script(
-                agent_script({"cSource": agent_c_source(), "mainRing": None, "spawn": False})
-            )
-            rec.script = script
-            script.on("message", rec.on_message)
-            script.load()
-            rec.check_ready()
-            tids = script.exports_sync.threads()
-            paths = {str(tid): str(rec.add_thread(tid)) for tid in tids}
+            device = frida.get_local_device()
+            session = device.attach(pid)
+            agent = rec.load_agent(session, pid, spawn=False, main_ring=None)
+            tids = agent.script.exports_sync.threads()
+            paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
         except BranchtraceError:
             raise
         except Exception as e:
@@ -547,20 +670,28 @@ class StalkerEngine:
         session.on("detached", on_detached)
         events.started(
             f"recording pid {pid} ({len(tids)} threads) with the stalker engine, "
-            f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread, "
-            f"into {rec.tracedir.path}; Ctrl-C to stop and detach"
+            f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread"
+            + (", following forks" if options.follow_fork else "")
+            + f", into {rec.tracedir.path}; Ctrl-C to stop and detach"
         )
         rec.start_draining()
-        script.exports_sync.follow_all(paths)
+        forks = None
+        if options.follow_fork:
+            forks = _ForkFollower(device, rec, ExitWatcher())
+            forks.watch(session)
+        agent.script.exports_sync.follow_all(paths)
         deadline = None if options.duration is None else time.monotonic() + options.duration
         while not stop.is_set() and not gone.is_set():
             if deadline is not None and time.monotonic() > deadline:
                 break
             stop.wait(0.01)
         result = RecordResult(rec.tracedir.path, pid)
+        if forks is not None:
+            result.processes = forks.close()
+            forks.watcher.close()
         if not gone.is_set():
             try:
-                far = script.exports_sync.stop().get("farBlocks", 0)
+                far = agent.script.exports_sync.stop().get("farBlocks", 0)
                 if far:
                     result.warnings.append(f"{far} blocks above 2^47 were not traced")
                 session.detach()

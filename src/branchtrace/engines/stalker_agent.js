@@ -46,6 +46,7 @@ const cm = new CModule(PARAMS.cSource, {
   mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
   clock_gettime: libc('clock_gettime'),
 });
+const getpid = new NativeFunction(libc('getpid'), 'int', []);
 const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
@@ -95,13 +96,21 @@ Process.attachModuleObserver({
 
 Process.attachThreadObserver({
   onAdded(thread) {
-    if (tracing && thread.id === Process.getCurrentThreadId()) {
-      followNewThread();
+    if (!tracing || thread.id !== Process.getCurrentThreadId() || getpid() !== state.readU32()) {
+      return;
     }
+    // Frida's injector starts threads of its own (around fork, with child gating) at code in
+    // no module; a program's threads start at a function of the program or a library.
+    const routine = thread.entrypoint ? thread.entrypoint.routine : null;
+    if (routine !== null && Process.findModuleByAddress(routine) === null) {
+      send({ type: 'thread-untraced', tid: thread.id, routine: routine.toString() });
+      return;
+    }
+    followNewThread();
   },
   onRemoved(thread) {
     const t = threads.get(thread.id);
-    if (t !== undefined) {
+    if (t !== undefined && getpid() === state.readU32()) {
       threadClose(t);
       threads.delete(thread.id);
       send({ type: 'thread-exit', tid: thread.id });
@@ -118,7 +127,8 @@ for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
 }
 Interceptor.attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
 
-// fork(): handled in C, because no JavaScript can run in a forked child.
+// fork(): handled in C, because no JavaScript can run in a forked child (unless Frida gates
+// it, with --follow-fork: then this script lives on in the child too, doing nothing there).
 Interceptor.attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
 
 if (PARAMS.spawn) {

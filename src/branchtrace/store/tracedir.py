@@ -36,6 +36,7 @@ class ModuleEvent:
     size: int
     path: str
     time_ns: int
+    pid: int = 0  #: the process; 0 in recordings made before --follow-fork: the main one
 
 
 class TraceDir:
@@ -122,11 +123,22 @@ class TraceDir:
         except (OSError, ValueError) as e:
             raise StoreError(f"{self.path / META}: unreadable ({e})") from None
 
-    def modules(self) -> list[ModuleEvent]:
+    def modules(self, pid: int | None = None) -> list[ModuleEvent]:
+        """Module loads and unloads, in order: of every process, or of process `pid`."""
         p = self.path / MODULES
         if not p.exists():
             return []
-        return [ModuleEvent(**json.loads(line)) for line in p.read_text().splitlines() if line]
+        events = [ModuleEvent(**json.loads(line)) for line in p.read_text().splitlines() if line]
+        if pid is None:
+            return events
+        main = self.meta().get("pid")
+        return [e for e in events if e.pid == pid or (e.pid == 0 and pid == main)]
+
+    def thread_pid(self, tid: int) -> int:
+        """The process thread `tid` belongs to."""
+        meta = self.meta()
+        pid = (meta.get("threads") or {}).get(str(tid), {}).get("pid")
+        return int(pid) if pid else int(meta.get("pid") or 0)
 
     def threads(self) -> list[int]:
         return sorted(int(p.stem[1:]) for p in self.path.glob("T*.bts"))
