@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from branchtrace.analysis import thread_branches
+import branchtrace
+
 from branchtrace.store import BranchKind, RecordType, parse_words
 from branchtrace.store.format import BLOCK_ADDR_MASK
 from branchtrace.store.tracedir import TraceDir
@@ -39,7 +40,7 @@ def modules(trace: TraceDir, tid: int) -> ModuleMap:
 def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
     address = modules(trace, tid).runtime_address(program.name, function)
     assert address is not None, f"{function} not found in {program}"
-    b = thread_branches(trace, tid)
+    b = branchtrace.open(trace.path).branches(tid)
     return int(((b["to"] == address) & (b["kind"] == BranchKind.CALL)).sum())
 
 

@@ -3,6 +3,7 @@
 The public API a notebook user sees; everything else is internal.
 """
 
+from .analysis import BRANCH_DTYPE, CALL_DTYPE, CallHistory, Trace, open
 from .errors import (
     BranchtraceError,
     BusyError,
@@ -32,10 +33,13 @@ from .store import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BRANCH_DTYPE",
+    "CALL_DTYPE",
     "RECORD_DTYPE",
     "BranchKind",
     "BranchtraceError",
     "BusyError",
+    "CallHistory",
     "CorruptStoreError",
     "Flags",
     "InvalidArgumentError",
@@ -53,5 +57,7 @@ __all__ = [
     "Status",
     "StoreError",
     "TaskTrace",
+    "Trace",
     "__version__",
+    "open",
 ]

@@ -1,6 +1,19 @@
-"""Pure functions over recorded records: decoding, call counts.  No engines, no privileges."""
+"""Pure functions over recorded records: decoding, call history, stats.  No engines, no
+privileges."""
 
-from .decode import BRANCH_DTYPE, decode_blocks, thread_branches
+from .decode import BRANCH_DTYPE, Blocks, branches_of, scan
 from .timeline import thread_records, with_switches
+from .trace import CALL_DTYPE, CallHistory, Trace, open
 
-__all__ = ["BRANCH_DTYPE", "decode_blocks", "thread_branches", "thread_records", "with_switches"]
+__all__ = [
+    "BRANCH_DTYPE",
+    "CALL_DTYPE",
+    "Blocks",
+    "CallHistory",
+    "Trace",
+    "branches_of",
+    "open",
+    "scan",
+    "thread_records",
+    "with_switches",
+]

@@ -3,23 +3,25 @@
 Each BLOCK record names an executed block by its start and its last instruction.  Between
 two consecutive blocks A and B the transfer is A.last -> B.start, unless B starts right
 after A.last (a conditional jump not taken, or a block split without a branch).  The kind
-comes from decoding A's last instruction, once per distinct block (capstone).
+comes from decoding A's last instruction, once per distinct block (capstone): a program
+runs millions of blocks but has only thousands of distinct ones.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from capstone import CS_ARCH_X86, CS_GRP_CALL, CS_GRP_INT, CS_GRP_JUMP, CS_GRP_RET, CS_MODE_64, Cs
 from capstone import x86 as cx86
 
-from ..store import BranchKind, RecordType, parse_words
-from ..store.tracedir import TraceDir
+from ..store import BranchKind
 from ..symbols import ModuleMap
+from .kernels import BREAK_INTERRUPT, BREAK_NONE, NOT_A_BRANCH, UNKNOWN, block_bounds, scan_blocks
 
-BRANCH_DTYPE = np.dtype([("from", "<u8"), ("to", "<u8"), ("kind", "u1")])
-#: the last instruction is not a branch (a block split); UNKNOWN: its code was not readable
-NOT_A_BRANCH = 0
-UNKNOWN = 255
+BRANCH_DTYPE = np.dtype([("from", "<u8"), ("to", "<u8"), ("kind", "u1"), ("block", "<i8")])
+
+_HOOK_REACH = np.uint64(32)  #: bytes an x86-64 Interceptor hook relocates, at most
 
 _cs = Cs(CS_ARCH_X86, CS_MODE_64)
 _cs.detail = True
@@ -45,12 +47,11 @@ def classify(code: bytes, address: int) -> tuple[int, int]:
 
 
 def classify_addresses(addresses: np.ndarray, modules: ModuleMap) -> tuple[np.ndarray, np.ndarray]:
-    """Kind and length of the instruction at each address (one decode per distinct one)."""
-    uniq, inverse = np.unique(addresses, return_inverse=True)
-    kinds = np.full(uniq.size, UNKNOWN, dtype=np.uint8)
-    sizes = np.zeros(uniq.size, dtype=np.uint64)
-    mod = modules.index(uniq)
-    for j, (addr, m) in enumerate(zip(uniq.tolist(), mod.tolist(), strict=True)):
+    """Kind and length of the instruction at each (distinct) address."""
+    kinds = np.full(addresses.size, UNKNOWN, dtype=np.uint8)
+    sizes = np.zeros(addresses.size, dtype=np.uint64)
+    mod = modules.index(addresses)
+    for j, (addr, m) in enumerate(zip(addresses.tolist(), mod.tolist(), strict=True)):
         if m < 0:
             continue
         image = modules.image(m)
@@ -59,38 +60,57 @@ def classify_addresses(addresses: np.ndarray, modules: ModuleMap) -> tuple[np.nd
         code = image.read(modules.file_address(m, addr), 16)
         if code:
             kinds[j], sizes[j] = classify(code, addr)
-    return kinds[inverse], sizes[inverse]
+    return kinds, sizes
 
 
-def decode_blocks(starts: np.ndarray, lasts: np.ndarray, modules: ModuleMap) -> np.ndarray:
-    """Taken transfers between consecutive blocks, oldest first (BRANCH_DTYPE)."""
-    if starts.size < 2:
+@dataclass
+class Blocks:
+    """A thread's executed blocks: a sequence of ids into per-distinct-block tables."""
+
+    ids: np.ndarray  #: int32, oldest first
+    word_index: np.ndarray  #: int64: where each block's record sits in the thread's words
+    breaks: np.ndarray  #: uint8 kernels.BREAK_*: why the chain breaks before each block
+    resume: np.ndarray  #: uint64: for BREAK_INTERRUPT, where the interrupted code resumes
+    start: np.ndarray  #: uint64 per distinct block
+    last: np.ndarray  #: uint64 per distinct block: address of its last instruction
+    kind: np.ndarray  #: uint8 per distinct block: BranchKind of its last instruction, or 0
+    size: np.ndarray  #: uint64 per distinct block: length of its last instruction
+
+
+def scan(words: np.ndarray, modules: ModuleMap) -> Blocks:
+    ids, widx, breaks, resume, unique = scan_blocks(np.ascontiguousarray(words, np.uint64))
+    start, last = block_bounds(unique)
+    kind, size = classify_addresses(last, modules)
+    return Blocks(ids, widx, breaks, resume, start, last, kind, size)
+
+
+def branches_of(blocks: Blocks) -> np.ndarray:
+    """Taken transfers between consecutive blocks, oldest first (BRANCH_DTYPE); `block` is
+    the index of the block the branch goes to.  Nothing is inferred across a LOST or GAP
+    record; a signal delivery recorded by the step engine is an INTERRUPT branch."""
+    ids = blocks.ids
+    if ids.size < 2:
         return np.zeros(0, BRANCH_DTYPE)
-    kinds, sizes = classify_addresses(lasts[:-1], modules)
-    src, dst = lasts[:-1], starts[1:]
-    falls_through = dst == src + sizes
+    a, b = ids[:-1], ids[1:]
+    src, dst = blocks.last[a], blocks.start[b]
+    kinds = blocks.kind[a]
+    falls_through = dst == src + blocks.size[a]
+    # An Interceptor hook (Frida's on exit/fork/..., ours on main) overwrites a function's
+    # first instructions with a jump to Frida's code, which runs them relocated and jumps
+    # back a few bytes on: the file shows no branch, the next block starts a little later.
+    # Those instructions did run; it is a fall-through, not an interrupt.
+    falls_through |= (kinds == NOT_A_BRANCH) & (dst > src) & (dst - src <= _HOOK_REACH)
     kind = kinds.copy()
     kind[(kinds == NOT_A_BRANCH) & ~falls_through] = BranchKind.INTERRUPT
     taken = ~falls_through | ~np.isin(kinds, (NOT_A_BRANCH, BranchKind.CONDITIONAL))
     taken &= kind != NOT_A_BRANCH
-    out = np.zeros(int(taken.sum()), BRANCH_DTYPE)
-    out["from"], out["to"], out["kind"] = src[taken], dst[taken], kind[taken]
+    brk = blocks.breaks[1:]
+    taken &= brk == BREAK_NONE
+    interrupt = brk == BREAK_INTERRUPT
+    keep = taken | interrupt
+    out = np.zeros(int(keep.sum()), BRANCH_DTYPE)
+    src = np.where(interrupt, blocks.resume[1:], src)
+    kind = np.where(interrupt, BranchKind.INTERRUPT, kind)
+    out["from"], out["to"], out["kind"] = src[keep], dst[keep], kind[keep]
+    out["block"] = np.flatnonzero(keep) + 1
     return out
-
-
-def thread_branches(trace: TraceDir, tid: int) -> np.ndarray:
-    """All taken branches of one thread of a recording.  LOST and GAP records break the
-    chain: no branch is invented across them."""
-    words, pos = trace.words(tid)
-    recs = parse_words(words, pos)
-    loads = trace.modules(trace.thread_pid(tid))
-    modules = ModuleMap([(m.base, m.size, m.path) for m in loads if m.event == "load"])
-    blocks = recs["type"] == RecordType.BLOCK
-    breaks = (recs["type"] == RecordType.LOST) | (recs["type"] == RecordType.GAP)
-    segment = np.cumsum(breaks)[blocks]
-    starts, lasts = recs["a"][blocks], recs["b"][blocks]
-    parts = []
-    for s in np.unique(segment):
-        sel = segment == s
-        parts.append(decode_blocks(starts[sel], lasts[sel], modules))
-    return np.concatenate(parts) if parts else np.zeros(0, BRANCH_DTYPE)

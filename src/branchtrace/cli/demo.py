@@ -18,14 +18,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ..analysis import thread_branches
+from ..analysis import Trace
 from ..engines import RecordOptions, Target
 from ..engines.stalker import StalkerEngine
 from ..errors import LaunchError, StoreError
 from ..store import BranchKind, Flags, Mode, RecordType, Ring, RingReader, RingWriter, parse_words
 from ..store.format import WriterState
-from ..store.tracedir import TraceDir
-from ..symbols import ModuleMap
 from .info import info
 from .record import _CliEvents, output_option, print_summary
 
@@ -56,9 +54,9 @@ def build_example() -> Path:
 
 
 def show_last_branches(output: Path, tid: int, last: int) -> None:
-    trace = TraceDir.open(output)
-    branches = thread_branches(trace, tid)[-last:]
-    modules = ModuleMap([(m.base, m.size, m.path) for m in trace.modules() if m.event == "load"])
+    trace = Trace(output)
+    branches = trace.branches(tid)[-last:]
+    modules = trace.modules(tid)
     sources, targets = modules.symbolize(branches["from"]), modules.symbolize(branches["to"])
     table = Table(
         title=f"how it got there: the last {len(branches)} branches of thread {tid}",

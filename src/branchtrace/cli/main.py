@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 
 from ..errors import BranchtraceError
-from . import demo, info, record
+from . import demo, info, record, views
 
 err = Console(stderr=True, highlight=False)
 
@@ -22,6 +22,8 @@ def cli() -> None:
 cli.add_command(info.info)
 cli.add_command(demo.demo)
 cli.add_command(record.record)
+for view in (views.show, views.calls, views.insns, views.stats):
+    cli.add_command(view)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,170 @@
+"""A recording, read: `branchtrace.open(DIR)` returns a `Trace`.
+
+>>> trace = branchtrace.open("branchtrace.data")
+>>> tid = trace.threads[0]
+>>> trace.branches(tid)          # numpy: from, to, kind, block
+>>> trace.calls(tid).functions() # the function-call history, oldest first
+>>> trace.stats()                # {"functions": {name: calls}, "threads": {...}}
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..store.tracedir import TraceDir
+from ..symbols import ModuleMap
+from .decode import Blocks, branches_of, scan
+from .kernels import HOW_CALL, HOW_TAIL, call_segments
+
+CALL_DTYPE = np.dtype(
+    [
+        ("depth", "<i4"),  #: nesting level; 0 is the shallowest level seen in the trace
+        ("function", "<i4"),  #: index into CallHistory.names; -1: no symbol
+        ("how", "u1"),  #: kernels.HOW_*: how the segment was entered
+        ("address", "<u8"),  #: where it was entered (its first block's start)
+        ("first_block", "<i8"),  #: index of its first block in the thread's block sequence
+        ("blocks", "<i8"),  #: how many blocks it ran
+    ]
+)
+HOW_NAMES = ("start", "call", "return", "tail call", "unwind", "jump", "resume", "signal")
+
+
+@dataclass
+class CallHistory:
+    """One thread's function-call history: a segment per stretch of a function between
+    calls and returns (GDB's `record function-call-history`), oldest first."""
+
+    tid: int
+    segments: np.ndarray  #: CALL_DTYPE
+    names: list[str]  #: function names by id
+    modules: list[str]  #: module file name by function id
+    mid_stack: bool  #: the trace begins inside calls whose entries it does not hold
+
+    def function_name(self, fid: int) -> str:
+        return self.names[fid] if fid >= 0 else "??"
+
+    def module_name(self, fid: int) -> str:
+        return self.modules[fid] if fid >= 0 else "??"
+
+    def entries(self) -> np.ndarray:
+        """The segments that enter a function (a call or a tail call)."""
+        how = self.segments["how"]
+        return self.segments[(how == HOW_CALL) | (how == HOW_TAIL)]
+
+    def call_counts(self) -> dict[str, int]:
+        """Calls per function name (tail calls included; PLT stubs are not functions of
+        their own: the function behind one counts), most called first."""
+        fids = self.entries()["function"]
+        fids = fids[fids >= 0]
+        if fids.size:
+            stub = np.array([n.endswith("@plt") or n.startswith(".plt") for n in self.names])
+            fids = fids[~stub[fids]]
+        counts = np.bincount(fids, minlength=len(self.names)) if fids.size else np.zeros(0)
+        nonzero = np.flatnonzero(counts)
+        merged: dict[str, int] = {}
+        for fid in nonzero.tolist():
+            name = self.names[fid]
+            merged[name] = merged.get(name, 0) + int(counts[fid])
+        return dict(sorted(merged.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+class Trace:
+    """A recording directory, decoded on demand (per thread, cached)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.dir = TraceDir.open(path)
+        self.path = Path(path)
+        self._modules: dict[int, ModuleMap] = {}
+        self._blocks: dict[int, Blocks] = {}
+
+    @cached_property
+    def meta(self) -> dict[str, Any]:
+        return self.dir.meta()
+
+    @cached_property
+    def threads(self) -> list[int]:
+        return self.dir.threads()
+
+    def pid_of(self, tid: int) -> int:
+        return self.dir.thread_pid(tid)
+
+    def modules(self, tid: int) -> ModuleMap:
+        """The modules of the thread's process, from the recording's module records."""
+        pid = self.pid_of(tid)
+        if pid not in self._modules:
+            loads = [(m.base, m.size, m.path) for m in self.dir.modules(pid) if m.event == "load"]
+            self._modules[pid] = ModuleMap(loads)
+        return self._modules[pid]
+
+    def words(self, tid: int) -> np.ndarray:
+        return self.dir.words(tid)[0]
+
+    def blocks(self, tid: int) -> Blocks:
+        if tid not in self._blocks:
+            self._check_tid(tid)
+            self._blocks[tid] = scan(self.words(tid), self.modules(tid))
+        return self._blocks[tid]
+
+    def _check_tid(self, tid: int) -> None:
+        if tid not in self.threads:
+            from ..errors import InvalidArgumentError
+
+            known = ", ".join(map(str, self.threads)) or "none"
+            raise InvalidArgumentError(
+                f"thread {tid} is not in {self.path}", hint=f"threads recorded: {known}"
+            )
+
+    def branches(self, tid: int) -> np.ndarray:
+        """Taken branches, oldest first: structured array (from, to, kind, block)."""
+        return branches_of(self.blocks(tid))
+
+    def calls(self, tid: int) -> CallHistory:
+        """The function-call history of thread `tid`."""
+        blocks = self.blocks(tid)
+        modules = self.modules(tid)
+        func, _ = modules.function_ids(blocks.start)
+        names = modules.function_names
+        starts = modules.function_starts
+        first, depth, fid, how = call_segments(
+            blocks.ids,
+            blocks.breaks,
+            blocks.resume,
+            blocks.start,
+            blocks.last,
+            blocks.kind,
+            blocks.size,
+            func.astype(np.int64),
+            starts,
+        )
+        seg = np.zeros(first.size, CALL_DTYPE)
+        lowest = int(depth.min()) if depth.size else 0
+        seg["depth"] = depth - lowest
+        seg["function"] = fid
+        seg["how"] = how
+        seg["first_block"] = first
+        seg["address"] = blocks.start[blocks.ids[first]]
+        seg["blocks"] = np.diff(first, append=blocks.ids.size)
+        return CallHistory(tid, seg, names, modules.function_modules, mid_stack=lowest < 0)
+
+    def stats(self) -> dict[str, Any]:
+        """Calls per function: overall, and per thread."""
+        overall: dict[str, int] = {}
+        threads: dict[str, dict[str, int]] = {}
+        for tid in self.threads:
+            counts = self.calls(tid).call_counts()
+            threads[str(tid)] = counts
+            for name, n in counts.items():
+                overall[name] = overall.get(name, 0) + n
+        functions = dict(sorted(overall.items(), key=lambda kv: (-kv[1], kv[0])))
+        return {"functions": functions, "threads": threads}
+
+
+def open(path: str | os.PathLike[str] = "branchtrace.data") -> Trace:
+    """Open a recording directory."""
+    return Trace(path)

@@ -1,0 +1,310 @@
+"""The views of a recording: `show` (the tail), `calls`, `insns`, `stats`.
+
+Each reads DIR (default branchtrace.data), takes `--tid` to pick a thread (default: every
+thread) and `--json` for JSON Lines.  Decoding and symbolizing are vectorised in
+`analysis`; Python here only formats the rows it prints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ..analysis import CallHistory, Trace
+from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL
+from ..analysis.trace import HOW_NAMES
+from ..errors import InvalidArgumentError
+from ..store import BranchKind
+
+out = Console(highlight=False, soft_wrap=True)
+
+path_argument = click.argument(
+    "path", type=click.Path(path_type=Path), default="branchtrace.data", required=False
+)
+tid_option = click.option("--tid", type=int, help="only this thread (default: every thread)")
+json_option = click.option("--json", "as_json", is_flag=True, help="JSON Lines, for scripts")
+
+
+def _threads(trace: Trace, tid: int | None) -> list[int]:
+    if tid is None:
+        return trace.threads
+    if tid not in trace.threads:
+        known = ", ".join(map(str, trace.threads)) or "none"
+        raise InvalidArgumentError(
+            f"thread {tid} is not in {trace.path}", hint=f"threads recorded: {known}"
+        )
+    return [tid]
+
+
+def _kind_name(kind: int) -> str:
+    try:
+        return BranchKind(kind).name.lower().replace("_", " ")
+    except ValueError:
+        return "?"
+
+
+def _where(sym: str, line: str) -> str:
+    return f"{sym} {line}" if line else sym
+
+
+def _heading(trace: Trace, tid: int, what: str) -> None:
+    pid = trace.pid_of(tid)
+    process = f", process {pid}" if pid != tid else ""
+    out.print(f"[bold]thread {tid}{process}[/bold]: {what}")
+
+
+# -- show ------------------------------------------------------------------------------------
+
+
+@click.command()
+@path_argument
+@click.option("-n", "count", default=20, show_default=True, help="how many branches")
+@tid_option
+@json_option
+def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
+    """The tail of the trace: the newest branches first (0 = newest), like the seed's GET."""
+    trace = Trace(path)
+    for t in _threads(trace, tid):
+        branches = trace.branches(t)
+        tail = branches[::-1][: max(count, 0)]
+        modules = trace.modules(t)
+        src_sym, dst_sym = modules.symbolize(tail["from"]), modules.symbolize(tail["to"])
+        src_line, dst_line = modules.source_lines(tail["from"]), modules.source_lines(tail["to"])
+        if as_json:
+            for i, b in enumerate(tail):
+                row = {
+                    "index": i,
+                    "tid": t,
+                    "from": int(b["from"]),
+                    "to": int(b["to"]),
+                    "kind": _kind_name(int(b["kind"])),
+                    "from_sym": src_sym[i],
+                    "to_sym": dst_sym[i],
+                    "from_line": src_line[i] or None,
+                    "to_line": dst_line[i] or None,
+                }
+                click.echo(json.dumps(row))
+            continue
+        _heading(trace, t, f"the last {len(tail)} of {len(branches):,} branches, newest first")
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        for col in ("#", "from", "to", "kind"):
+            table.add_column(col, justify="right" if col == "#" else "left")
+        for i, b in enumerate(tail):
+            table.add_row(
+                str(i),
+                _where(src_sym[i], src_line[i]),
+                _where(dst_sym[i], dst_line[i]),
+                _kind_name(int(b["kind"])),
+            )
+        out.print(table)
+
+
+# -- calls -----------------------------------------------------------------------------------
+
+
+def _selected(history: CallHistory, function: str | None, max_depth: int | None) -> np.ndarray:
+    """Indices of the segments to print: inside calls of `function`, above `max_depth`."""
+    seg = history.segments
+    keep = np.ones(seg.size, dtype=bool)
+    if max_depth is not None:
+        keep &= seg["depth"] <= max_depth
+    if function is not None:
+        names = np.array([*history.names, "??"], dtype=object)
+        fn = names[seg["function"]]
+        inside = np.zeros(seg.size, dtype=bool)
+        entered = np.flatnonzero(
+            (fn == function) & np.isin(seg["how"], (HOW_CALL, HOW_TAIL, HOW_START, HOW_SIGNAL))
+        )
+        depth = seg["depth"]
+        for i in entered.tolist():
+            if inside[i]:
+                continue
+            below = np.flatnonzero(depth[i + 1 :] < depth[i])
+            end = i + 1 + int(below[0]) if below.size else seg.size
+            inside[i:end] = True
+        keep &= inside
+    return np.flatnonzero(keep)
+
+
+@click.command()
+@path_argument
+@click.option("-F", "--function", help="only calls of FUNCTION and what they call")
+@click.option("-D", "--depth", "max_depth", type=int, help="only down to this nesting depth")
+@tid_option
+@json_option
+def calls(
+    path: Path, function: str | None, max_depth: int | None, tid: int | None, as_json: bool
+) -> None:
+    """The function-call history, oldest first, indented by nesting (GDB's /ilc)."""
+    trace = Trace(path)
+    for t in _threads(trace, tid):
+        history = trace.calls(t)
+        rows = _selected(history, function, max_depth)
+        seg = history.segments
+        modules = trace.modules(t)
+        if as_json:
+            for i in rows.tolist():
+                s = seg[i]
+                fid = int(s["function"])
+                click.echo(
+                    json.dumps(
+                        {
+                            "tid": t,
+                            "index": i,
+                            "depth": int(s["depth"]),
+                            "function": _function_label(history, modules, fid, int(s["address"])),
+                            "module": history.module_name(fid),
+                            "how": HOW_NAMES[int(s["how"])],
+                            "address": int(s["address"]),
+                            "blocks": int(s["blocks"]),
+                        }
+                    )
+                )
+            continue
+        note = (
+            "; the trace begins inside calls it did not record: depth 0 is the shallowest "
+            "level seen, not the thread's outermost"
+            if history.mid_stack
+            else ""
+        )
+        _heading(trace, t, f"{len(rows):,} of {seg.size:,} call-history segments{note}")
+        lines = modules.source_lines(seg["address"][rows]) if rows.size <= 100_000 else None
+        for k, i in enumerate(rows.tolist()):
+            s = seg[i]
+            fid = int(s["function"])
+            label = _function_label(history, modules, fid, int(s["address"]))
+            how = int(s["how"])
+            mark = " [signal handler]" if how == HOW_SIGNAL else ""
+            src = f"  {lines[k]}" if lines and lines[k] else ""
+            out.print(f"{i:>6}  {'  ' * int(s['depth'])}{label}{mark}{src}", markup=False)
+
+
+def _function_label(history: CallHistory, modules: Any, fid: int, address: int) -> str:
+    if fid >= 0:
+        return history.function_name(fid)
+    return modules.symbolize(np.array([address], dtype=np.uint64))[0]
+
+
+# -- insns -----------------------------------------------------------------------------------
+
+
+def _newest_instructions(trace: Trace, tid: int, count: int) -> list[tuple[int, str, int]]:
+    """(address, text, block index) of the newest `count` executed instructions, oldest
+    first, reconstructed by disassembling the recorded blocks (capstone)."""
+    from capstone import CS_ARCH_X86, CS_MODE_64, Cs
+
+    cs = Cs(CS_ARCH_X86, CS_MODE_64)
+    blocks = trace.blocks(tid)
+    modules = trace.modules(tid)
+    found: list[list[tuple[int, str, int]]] = []
+    total = 0
+    for b in range(blocks.ids.size - 1, -1, -1):
+        if total >= count:
+            break
+        u = int(blocks.ids[b])
+        start, last = int(blocks.start[u]), int(blocks.last[u])
+        m = int(modules.index(np.array([start], dtype=np.uint64))[0])
+        image = modules.image(m) if m >= 0 else None
+        code = image.read(modules.file_address(m, start), last - start + 16) if image else b""
+        insns = []
+        for insn in cs.disasm(code, start):
+            if insn.address > last:
+                break
+            insns.append((insn.address, f"{insn.mnemonic} {insn.op_str}".strip(), b))
+        if not insns:
+            insns = [(start, "(code not readable)", b)]
+        found.append(insns)
+        total += len(insns)
+    flat = [i for group in reversed(found) for i in group]
+    return flat[-count:] if count > 0 else []
+
+
+@click.command()
+@path_argument
+@click.option("-n", "count", default=40, show_default=True, help="how many instructions")
+@tid_option
+@json_option
+def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
+    """Instruction history: the newest executed instructions, oldest first, with source
+    lines (GDB's `record instruction-history`)."""
+    trace = Trace(path)
+    for t in _threads(trace, tid):
+        rows = _newest_instructions(trace, t, count)
+        modules = trace.modules(t)
+        addresses = np.array([r[0] for r in rows], dtype=np.uint64)
+        syms, lines = modules.symbolize(addresses), modules.source_lines(addresses)
+        if as_json:
+            for (address, text, block), sym, line in zip(rows, syms, lines, strict=True):
+                click.echo(
+                    json.dumps(
+                        {
+                            "tid": t,
+                            "address": address,
+                            "sym": sym,
+                            "line": line or None,
+                            "insn": text,
+                            "block": block,
+                        }
+                    )
+                )
+            continue
+        _heading(trace, t, f"the last {len(rows)} instructions, oldest first")
+        previous = None
+        for (address, text, _block), sym, line in zip(rows, syms, lines, strict=True):
+            if line and line != previous:
+                out.print(f"[dim]{line}[/dim]")
+                previous = line
+            out.print(f"  {address:#014x} {sym:<32} {text}", markup=False)
+
+
+# -- stats -----------------------------------------------------------------------------------
+
+
+@click.command()
+@path_argument
+@click.option("-n", "top", default=25, show_default=True, help="functions to list (0: all)")
+@tid_option
+@json_option
+def stats(path: Path, top: int, tid: int | None, as_json: bool) -> None:
+    """Calls per function, per thread and overall, most called first."""
+    trace = Trace(path)
+    threads = _threads(trace, tid)
+    per_thread = {str(t): trace.calls(t).call_counts() for t in threads}
+    overall: dict[str, int] = {}
+    for counts in per_thread.values():
+        for name, n in counts.items():
+            overall[name] = overall.get(name, 0) + n
+    functions = dict(sorted(overall.items(), key=lambda kv: (-kv[1], kv[0])))
+    if as_json:
+        click.echo(json.dumps({"functions": functions, "threads": per_thread}))
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    table.add_column("calls", justify="right")
+    for t in threads if len(threads) > 1 else []:
+        table.add_column(f"T{t}", justify="right")
+    table.add_column("function")
+    for name, n in _top(functions, top):
+        cells = (
+            [f"{per_thread[str(t)].get(name, 0):,}" for t in threads] if len(threads) > 1 else []
+        )
+        table.add_row(f"{n:,}", *cells, name)
+    out.print(table)
+    if top and len(functions) > top:
+        out.print(f"[dim]... {len(functions) - top} more functions (-n 0 lists all)[/dim]")
+
+
+def _top(items: dict[str, int], top: int) -> Iterator[tuple[str, int]]:
+    for i, kv in enumerate(items.items()):
+        if top and i >= top:
+            return
+        yield kv
+
+
+__all__ = ["calls", "insns", "show", "stats"]
