@@ -44,8 +44,16 @@ def build(source: Path, flags: list[str], headers: dict[str, str] | None = None)
 
 @pytest.fixture(scope="session")
 def programs() -> dict[str, Path]:
-    """Every tests/programs/*.c built with the fixture flags, by name."""
-    return {src.stem: build(src, FIXTURE_FLAGS) for src in sorted(PROGRAMS.glob("*.c"))}
+    """Every tests/programs/*.c built with the fixture flags (or those its `cflags:` line
+    names), by name."""
+    return {src.stem: build(src, fixture_flags(src)) for src in sorted(PROGRAMS.glob("*.c"))}
+
+
+def fixture_flags(source: Path) -> list[str]:
+    for line in source.read_text().splitlines()[:3]:
+        if "cflags:" in line:
+            return line.split("cflags:", 1)[1].split()
+    return FIXTURE_FLAGS
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import branchtrace
-
 from branchtrace.store import BranchKind, RecordType, parse_words
 from branchtrace.store.format import BLOCK_ADDR_MASK
 from branchtrace.store.tracedir import TraceDir

@@ -12,38 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from capstone import CS_ARCH_X86, CS_GRP_CALL, CS_GRP_INT, CS_GRP_JUMP, CS_GRP_RET, CS_MODE_64, Cs
-from capstone import x86 as cx86
 
 from ..store import BranchKind
 from ..symbols import ModuleMap
-from .kernels import BREAK_INTERRUPT, BREAK_NONE, NOT_A_BRANCH, UNKNOWN, block_bounds, scan_blocks
+from ..x86 import NOT_A_BRANCH, UNKNOWN, classify
+from .kernels import BREAK_INTERRUPT, BREAK_NONE, block_bounds, scan_blocks
 
 BRANCH_DTYPE = np.dtype([("from", "<u8"), ("to", "<u8"), ("kind", "u1"), ("block", "<i8")])
 
 _HOOK_REACH = np.uint64(32)  #: bytes an x86-64 Interceptor hook relocates, at most
-
-_cs = Cs(CS_ARCH_X86, CS_MODE_64)
-_cs.detail = True
-
-
-def classify(code: bytes, address: int) -> tuple[int, int]:
-    """(kind, length) of the instruction at `address`; kind NOT_A_BRANCH if not a branch."""
-    insn = next(_cs.disasm(code, address, 1), None)
-    if insn is None:
-        return UNKNOWN, 0
-    direct = bool(insn.operands) and insn.operands[0].type == cx86.X86_OP_IMM
-    if insn.group(CS_GRP_CALL):
-        return (BranchKind.CALL if direct else BranchKind.INDIRECT_CALL), insn.size
-    if insn.group(CS_GRP_RET):
-        return BranchKind.RETURN, insn.size
-    if insn.group(CS_GRP_JUMP):
-        if insn.id == cx86.X86_INS_JMP:
-            return (BranchKind.JUMP if direct else BranchKind.INDIRECT_JUMP), insn.size
-        return BranchKind.CONDITIONAL, insn.size
-    if insn.id in (cx86.X86_INS_SYSCALL, cx86.X86_INS_SYSENTER) or insn.group(CS_GRP_INT):
-        return BranchKind.SYSCALL, insn.size
-    return NOT_A_BRANCH, insn.size
 
 
 def classify_addresses(addresses: np.ndarray, modules: ModuleMap) -> tuple[np.ndarray, np.ndarray]:

@@ -27,9 +27,6 @@ from ..store.format import (
 BREAK_NONE, BREAK_LOST, BREAK_GAP, BREAK_INTERRUPT = 0, 1, 2, 3
 #: how a call-history segment begins
 HOW_START, HOW_CALL, HOW_RETURN, HOW_TAIL, HOW_UNWIND, HOW_JUMP, HOW_RESUME, HOW_SIGNAL = range(8)
-#: classification of a block's last instruction, besides BranchKind
-NOT_A_BRANCH = 0
-UNKNOWN = 255
 
 # plain numbers: numba compares enums as floats
 _LOST, _GAP, _BRANCH, _FAR = (

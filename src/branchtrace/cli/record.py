@@ -12,6 +12,7 @@ from rich.console import Console
 
 from ..engines import RecordOptions, RecordResult, Target
 from ..engines.stalker import StalkerEngine
+from ..engines.step import StepEngine
 from ..errors import UsageError
 from ..store import Mode, parse_size
 
@@ -101,6 +102,14 @@ output_option = click.option(
     help="also record context switches (departs/arrives, time, CPU) per thread",
 )
 @click.option(
+    "--engine",
+    type=click.Choice(["stalker", "step"]),
+    default="stalker",
+    show_default=True,
+    help="stalker: Frida dynamic instrumentation (fast); step: ptrace single-step, "
+    "exact and slow (~10k instructions/s), the reference",
+)
+@click.option(
     "--follow-fork",
     is_flag=True,
     help="also trace the child processes the program forks (each thread into DIR)",
@@ -113,6 +122,7 @@ def record(
     pid: int | None,
     duration: float | None,
     sched: bool,
+    engine: str,
     follow_fork: bool,
     command: tuple[str, ...],
 ) -> None:
@@ -141,7 +151,8 @@ def record(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        result = StalkerEngine().record(Target(argv=command, pid=pid), options, _CliEvents(), stop)
+        chosen = StepEngine() if engine == "step" else StalkerEngine()
+        result = chosen.record(Target(argv=command, pid=pid), options, _CliEvents(), stop)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

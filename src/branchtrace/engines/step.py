@@ -1,0 +1,404 @@
+"""The step engine: ptrace single-stepping, one instruction at a time (ctypes).
+
+Slow (about 10-20 thousand instructions a second) but exact, and independent of Frida:
+it is the oracle the stalker engine is tested against.  It writes the same store format:
+one BLOCK record per run of instructions ending in a control-flow instruction (taken or
+not), like Stalker's blocks.  A signal delivery is an explicit BRANCH record of kind
+INTERRUPT (from: where the interrupted code resumes, to: the handler), so handlers are
+traced and the decoder knows where they return to.
+
+It spawns the program stopped at exec, runs it natively to `main` (an int3 there), then
+steps every thread until the program ends.  Threads are followed through clone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import EngineUnavailableError, InvalidArgumentError, LaunchError
+from ..store import Flags, Mode, Ring, RingReader, RingWriter
+from ..store.format import BLOCK_ADDR_MASK, BLOCK_OFF_MASK, BranchKind, RecordType, block_word
+from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
+from ..x86 import NOT_A_BRANCH, classify
+from .base import Events, RecordOptions, RecordResult, Target, ThreadStats
+from .stalker import resolve_program
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_ptrace = _libc.ptrace
+_ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+_ptrace.restype = ctypes.c_long
+
+PTRACE_TRACEME, PTRACE_PEEKTEXT, PTRACE_PEEKUSER, PTRACE_POKETEXT = 0, 1, 3, 4
+PTRACE_CONT, PTRACE_SINGLESTEP, PTRACE_GETREGS, PTRACE_SETREGS = 7, 9, 12, 13
+PTRACE_SETOPTIONS, PTRACE_GETEVENTMSG = 0x4200, 0x4201
+PTRACE_O_TRACECLONE, PTRACE_O_TRACEEXEC, PTRACE_O_EXITKILL = 0x8, 0x10, 0x100000
+PTRACE_EVENT_CLONE, PTRACE_EVENT_EXEC = 3, 4
+_WALL = 0x40000000
+_RIP = 16 * 8  #: offsetof(struct user_regs_struct, rip)
+_FLUSH = 4096  #: BLOCK words buffered per thread before they go into its ring
+_FAULTS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
+
+
+_REGISTERS = "r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags"
+_REGISTERS += " rsp ss fs_base gs_base ds es fs gs"  # struct user_regs_struct, in order
+
+
+class _Regs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_ulonglong) for name in _REGISTERS.split()]
+
+
+def _call(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
+    ctypes.set_errno(0)
+    r = _ptrace(request, tid, ctypes.c_void_p(addr), ctypes.c_void_p(data))
+    if r == -1 and ctypes.get_errno():
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return int(r)
+
+
+def _traceme() -> None:
+    _ptrace(PTRACE_TRACEME, 0, None, None)
+
+
+class _Thread:
+    """One traced thread's ring and the block being stepped through."""
+
+    def __init__(self, tid: int, tracedir: TraceDir, options: RecordOptions) -> None:
+        self.tid = tid
+        self.ring = Ring.create(
+            tracedir.ring_path(tid),
+            options.buffer_size,
+            Mode.WRAP if options.mode == Mode.WRAP else Mode.STREAM,
+            Flags.TRACE if options.mode == Mode.WRAP else Flags.TRACE | Flags.SIGNAL,
+            tid=tid,
+        )
+        self.reader: RingReader | None = None
+        self.fd: int | None = None
+        if options.mode != Mode.WRAP:
+            self.reader = RingReader(self.ring, consume=True)
+            self.fd = os.open(tracedir.stream_path(tid), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self.writer = RingWriter(self.ring)
+        self.pending: list[int] = []
+        self.at: int | None = None  #: where the thread is stopped (not yet executed)
+        self.block_start = 0  #: first instruction of the current block
+        self.last: int | None = None  #: last executed instruction of the current block
+        self.signal_at: int | None = None  #: where a signal being delivered interrupted it
+        self.records = 0
+
+    def start(self, rip: int) -> None:
+        self.at = self.block_start = rip
+        self.last = None
+
+    def end_block(self, last: int) -> None:
+        off = last - self.block_start
+        if 0 < self.block_start <= BLOCK_ADDR_MASK and 0 <= off <= BLOCK_OFF_MASK:
+            self.pending.append(block_word(self.block_start, off))
+        else:
+            self.flush()
+            self.writer.write(RecordType.BLOCK, off, self.block_start)
+        self.records += 1
+        self.last = None
+        if len(self.pending) >= _FLUSH:
+            self.flush()
+
+    def interrupt(self, resume: int, handler: int) -> None:
+        self.flush()
+        self.writer.write(RecordType.BRANCH, BranchKind.INTERRUPT, resume, handler)
+        self.records += 1
+
+    def flush(self) -> None:
+        if self.pending:
+            self.writer.write_blocks(np.array(self.pending, dtype=np.uint64))
+            self.pending.clear()
+        if self.reader is not None and self.fd is not None:
+            drain_to_file(self.reader, self.fd)
+
+    def close(self) -> ThreadStats:
+        if self.last is not None:
+            self.end_block(self.last)
+        self.flush()
+        self.writer.close()
+        if self.reader is not None and self.fd is not None:
+            drain_to_file(self.reader, self.fd, final=True)
+            self.reader.close()
+            os.close(self.fd)
+        stats = ThreadStats(records=self.records, lost=self.ring.lost_records)
+        self.ring.close()
+        return stats
+
+
+class StepEngine:
+    name = "step"
+
+    def record(
+        self, target: Target, options: RecordOptions, events: Events, stop: threading.Event
+    ) -> RecordResult:
+        if target.pid is not None:
+            raise InvalidArgumentError(
+                "the step engine only traces programs it starts",
+                hint="branchtrace record --engine step -- PROG, or use the stalker engine",
+            )
+        if options.follow_fork or options.sched:
+            raise InvalidArgumentError(
+                "the step engine has no --follow-fork or --sched", hint="use the stalker engine"
+            )
+        size = 1 << (options.buffer_size.bit_length() - 1)
+        if size < 16 * _FLUSH:
+            raise InvalidArgumentError(f"buffer size {options.buffer_size} is too small")
+        options = dataclasses.replace(options, buffer_size=size)
+        program = resolve_program(target.argv[0])
+        main_file_address = _main_address(program)
+        tracedir = TraceDir.create(options.output)
+        meta: dict[str, Any] = {
+            "engine": self.name,
+            "mode": options.mode.name.lower(),
+            "buffer_size": size,
+            "started_ns": time.time_ns(),
+            "argv": list(target.argv),
+            "executable": str(program),
+            "attached": False,
+            "sched": False,
+        }
+        try:
+            child = subprocess.Popen(
+                [str(program), *target.argv[1:]], preexec_fn=_traceme, close_fds=True
+            )
+        except OSError as e:
+            tracedir.remove()
+            raise LaunchError(f"{target.argv[0]}: cannot start: {e.strerror}") from None
+        pid = child.pid
+        meta["pid"] = pid
+        tracedir.write_meta(meta)
+        _, status = os.waitpid(pid, _WALL)  # stopped at exec
+        if not os.WIFSTOPPED(status):
+            tracedir.remove()
+            raise LaunchError(f"{target.argv[0]}: ended before it could be traced")
+        _call(PTRACE_SETOPTIONS, pid, 0, PTRACE_O_TRACECLONE | PTRACE_O_EXITKILL)
+        session = _Session(pid, program, tracedir, options, stop)
+        events.started(
+            f"recording {target.argv[0]} (pid {pid}) from main with the step engine "
+            f"(ptrace single-step: exact, slow), {options.mode.name.lower()} mode, "
+            f"into {tracedir.path}; Ctrl-C to stop"
+        )
+        result = RecordResult(tracedir.path, pid)
+        try:
+            session.run_to(session.runtime_address(main_file_address))
+            status = session.step_all()
+        finally:
+            result.threads = session.close()
+        if os.WIFSIGNALED(status):
+            result.signal = os.WTERMSIG(status)
+        elif os.WIFEXITED(status):
+            result.exit_code = os.WEXITSTATUS(status)
+        with contextlib.suppress(ChildProcessError):
+            child.wait(timeout=0)
+        meta.update(
+            {
+                "ended_ns": time.time_ns(),
+                "exit_code": result.exit_code,
+                "signal": result.signal,
+                "detached": False,
+                "processes": {},
+                "untraced_threads": [],
+                "warnings": result.warnings,
+                "threads": {str(t): s.__dict__ for t, s in result.threads.items()},
+            }
+        )
+        tracedir.write_meta(meta)
+        return result
+
+
+def _main_address(program: Path) -> int:
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
+
+    with open(program, "rb") as f:
+        elf = ELFFile(f)
+        for name in (".symtab", ".dynsym"):
+            table = elf.get_section_by_name(name)
+            if isinstance(table, SymbolTableSection):
+                for sym in table.get_symbol_by_name("main") or []:
+                    if sym["st_value"]:
+                        return int(sym["st_value"])
+    raise EngineUnavailableError(
+        f"{program} has no symbol for main, which the step engine starts at",
+        hint="use the stalker engine for stripped programs",
+    )
+
+
+class _Session:
+    def __init__(
+        self,
+        pid: int,
+        program: Path,
+        tracedir: TraceDir,
+        options: RecordOptions,
+        stop: threading.Event,
+    ) -> None:
+        self.pid = pid
+        self.program = program
+        self.tracedir = tracedir
+        self.options = options
+        self.stop = stop
+        self.threads: dict[int, _Thread] = {}
+        self.stats: dict[int, ThreadStats] = {}
+        self.mem = open(f"/proc/{pid}/mem", "rb", buffering=0)  # noqa: SIM115
+        self.kinds: dict[int, tuple[int, int]] = {}
+        self.mapped: list[tuple[int, int]] = []
+        self._read_modules()
+
+    # -- memory and modules --------------------------------------------------------------------
+
+    def _read_modules(self) -> None:
+        """Record the file-backed executable mappings not recorded yet (module loads)."""
+        seen = {(b, e) for b, e in self.mapped}
+        per_file: dict[str, list[int]] = {}
+        for line in Path(f"/proc/{self.pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith("/"):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            per_file.setdefault(parts[5], []).extend((lo, hi))
+        for path, bounds in per_file.items():
+            base, end = min(bounds), max(bounds)
+            if (base, end) in seen:
+                continue
+            self.mapped.append((base, end))
+            self.tracedir.append_module(
+                ModuleEvent("load", base, end - base, path, time.time_ns(), self.pid)
+            )
+
+    def runtime_address(self, file_address: int) -> int:
+        exe = str(self.program)
+        for line in Path(f"/proc/{self.pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5] == exe and int(parts[2], 16) == 0:
+                base = int(parts[0].split("-")[0], 16)
+                from elftools.elf.elffile import ELFFile
+
+                with open(self.program, "rb") as f:
+                    pie = ELFFile(f)["e_type"] == "ET_DYN"
+                return base + file_address if pie else file_address
+        raise EngineUnavailableError(f"cannot find {exe} in the memory of process {self.pid}")
+
+    def kind(self, address: int) -> tuple[int, int]:
+        known = self.kinds.get(address)
+        if known is None:
+            try:
+                code = os.pread(self.mem.fileno(), 16, address)
+            except OSError:
+                code = b""
+            known = classify(code, address)
+            self.kinds[address] = known
+            if not any(lo <= address < hi for lo, hi in self.mapped):
+                self._read_modules()  # code from a library loaded since (dlopen)
+        return known
+
+    # -- running -----------------------------------------------------------------------------
+
+    def run_to(self, address: int) -> None:
+        """Run the stopped process natively up to `address` (an int3 there)."""
+        word = _call(PTRACE_PEEKTEXT, self.pid, address) & (2**64 - 1)
+        _call(PTRACE_POKETEXT, self.pid, address, (word & ~0xFF) | 0xCC)
+        _call(PTRACE_CONT, self.pid)
+        _, status = os.waitpid(self.pid, _WALL)
+        if not os.WIFSTOPPED(status) or os.WSTOPSIG(status) != signal.SIGTRAP:
+            raise LaunchError("the program ended before reaching main")
+        _call(PTRACE_POKETEXT, self.pid, address, word)
+        regs = _Regs()
+        _call(PTRACE_GETREGS, self.pid, 0, ctypes.addressof(regs))
+        regs.rip = address
+        _call(PTRACE_SETREGS, self.pid, 0, ctypes.addressof(regs))
+        self._read_modules()
+        self._thread(self.pid).start(address)
+
+    def _thread(self, tid: int) -> _Thread:
+        if tid not in self.threads:
+            self.threads[tid] = _Thread(tid, self.tracedir, self.options)
+        return self.threads[tid]
+
+    def step_all(self) -> int:
+        """Single-step every thread until the process ends; its wait status."""
+        _call(PTRACE_SINGLESTEP, self.pid)
+        delivering: set[int] = set()
+        while True:
+            if self.stop.is_set():
+                for tid in list(self.threads):
+                    with contextlib.suppress(OSError):
+                        os.kill(tid, signal.SIGKILL)
+                self.stop.clear()
+            tid, status = os.waitpid(-1, _WALL)
+            if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+                t = self.threads.pop(tid, None)
+                if t is not None:
+                    self.stats[tid] = t.close()
+                if tid == self.pid:
+                    return status
+                continue
+            sig = os.WSTOPSIG(status)
+            t = self._thread(tid)
+            rip = _call(PTRACE_PEEKUSER, tid, _RIP) & (2**64 - 1)
+            inject = 0
+            if status >> 16:  # a ptrace event (clone) stop: nothing ran
+                if status >> 16 == PTRACE_EVENT_CLONE:
+                    msg = ctypes.c_ulong()
+                    _call(PTRACE_GETEVENTMSG, tid, 0, ctypes.addressof(msg))
+                    self._thread(int(msg.value))
+            elif t.at is None:  # a new thread's first stop
+                t.start(rip)
+            elif sig != signal.SIGTRAP:
+                # signal-delivery-stop: the next step delivers it
+                inject = sig
+                t.signal_at = rip
+                delivering.add(tid)
+                if sig in _FAULTS and t.at == rip:
+                    t.last = rip  # the faulting instruction: tried, and the trace says so
+            elif tid in delivering:
+                delivering.discard(tid)
+                self._delivered(t, rip)
+            else:
+                self._stepped(t, rip)
+            _call(PTRACE_SINGLESTEP, tid, 0, inject)
+
+    def _stepped(self, t: _Thread, rip: int) -> None:
+        """The thread executed the instruction at `t.at` and stopped at `rip`."""
+        executed = t.at
+        if executed is None or rip == executed:
+            return  # a rep-prefixed instruction mid-way, or nothing ran
+        kind, size = self.kind(executed)
+        if kind != NOT_A_BRANCH or rip != executed + size:
+            t.end_block(executed)
+            t.block_start = rip
+        else:
+            t.last = executed
+        t.at = rip
+
+    def _delivered(self, t: _Thread, rip: int) -> None:
+        """A signal was delivered; the thread stopped at `rip`: its handler, or where it was
+        if the signal was ignored."""
+        resume, t.signal_at = t.signal_at, None
+        if resume is None or rip == resume:
+            return
+        if t.last is not None:
+            t.end_block(t.last)
+        t.interrupt(resume, rip)
+        t.start(rip)
+
+    def close(self) -> dict[int, ThreadStats]:
+        for tid, t in list(self.threads.items()):
+            self.stats[tid] = t.close()
+        self.threads.clear()
+        self.mem.close()
+        for stats in self.stats.values():
+            stats.pid = self.pid
+        return self.stats

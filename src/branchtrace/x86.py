@@ -1,0 +1,36 @@
+"""x86-64 instruction classes, for every layer that needs to know a branch when it sees
+one (the step engine while stepping, the decoder afterwards): one definition."""
+
+from __future__ import annotations
+
+from capstone import CS_ARCH_X86, CS_GRP_CALL, CS_GRP_INT, CS_GRP_JUMP, CS_GRP_RET, CS_MODE_64, Cs
+from capstone import x86 as cx86
+
+from .store.format import BranchKind
+
+#: the last instruction is not a branch (a block split); UNKNOWN: its code was not readable
+NOT_A_BRANCH = 0
+UNKNOWN = 255
+
+_cs = Cs(CS_ARCH_X86, CS_MODE_64)
+_cs.detail = True
+
+
+def classify(code: bytes, address: int) -> tuple[int, int]:
+    """(kind, length) of the instruction at `address`; kind NOT_A_BRANCH if not a branch,
+    UNKNOWN (length 0) if `code` does not start with a valid instruction."""
+    insn = next(_cs.disasm(code, address, 1), None)
+    if insn is None:
+        return UNKNOWN, 0
+    direct = bool(insn.operands) and insn.operands[0].type == cx86.X86_OP_IMM
+    if insn.group(CS_GRP_CALL):
+        return (BranchKind.CALL if direct else BranchKind.INDIRECT_CALL), insn.size
+    if insn.group(CS_GRP_RET):
+        return BranchKind.RETURN, insn.size
+    if insn.group(CS_GRP_JUMP):
+        if insn.id == cx86.X86_INS_JMP:
+            return (BranchKind.JUMP if direct else BranchKind.INDIRECT_JUMP), insn.size
+        return BranchKind.CONDITIONAL, insn.size
+    if insn.id in (cx86.X86_INS_SYSCALL, cx86.X86_INS_SYSENTER) or insn.group(CS_GRP_INT):
+        return BranchKind.SYSCALL, insn.size
+    return NOT_A_BRANCH, insn.size

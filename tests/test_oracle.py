@@ -1,0 +1,181 @@
+"""The step engine (ptrace single-step, exact) is the oracle for the stalker engine.
+
+For each fixture both engines record the program; the branches that touch the main
+executable, from main to the call of exit(), must be the same sequence (addresses taken
+relative to their module, since the two runs are placed differently), per thread, and so
+must the calls of the executable's functions in the call history.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import branchtrace
+from branchtrace.analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_TAIL
+from branchtrace.store import BranchKind
+
+BT = [sys.executable, "-m", "branchtrace.cli.main"]
+
+#: fixture -> (arguments, expected stdout)
+FIXTURES = {
+    "abc": ((), "34"),
+    "loop23": ((), str(sum(range(23)))),
+    "fib": (("12",), None),
+    "fptr": ((), None),
+    "switch": ((), "816"),
+    "tailcall": ((), "35"),
+    "longjmp": ((), "45"),
+    "signal": ((), "30"),
+    "threads_small": ((), "67"),
+    "crash": ((), None),
+}
+
+
+def record(out: Path, engine: str, program: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            *BT,
+            "record",
+            "--engine",
+            engine,
+            "--mode",
+            "stream",
+            "-o",
+            str(out),
+            "--",
+            str(program),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def exe_branches(trace: branchtrace.Trace, tid: int, exe: str, handlers: bool = True) -> list:
+    """(from module, offset, to module, offset, kind) of each branch touching `exe`, up to
+    the call of exit().  Stalker stops following at exit() (Frida's exit handling), so the
+    exit handlers are left out of the comparison; the recorder says so in its summary.
+    `handlers=False`: without the branches of signal handlers (see without_handlers)."""
+    modules = trace.modules(tid)
+    b = trace.branches(tid)
+    names = [Path(p).name for p in modules.paths]
+    mf, mt = modules.index(b["from"]), modules.index(b["to"])
+    exit_at = modules.runtime_address("libc.so.6", "exit")
+    ends = np.flatnonzero(b["to"] == exit_at) if exit_at is not None else []
+    stop = int(ends[0]) if len(ends) else b.size
+    rows = [
+        (
+            names[f],
+            int(b["from"][i]) - int(modules.bases[f]),
+            names[t],
+            int(b["to"][i]) - int(modules.bases[t]),
+            BranchKind(int(b["kind"][i])).name,
+        )
+        for i, f, t in zip(range(stop), mf[:stop].tolist(), mt[:stop].tolist(), strict=True)
+        if f >= 0 and t >= 0
+    ]
+    if not handlers:
+        rows = without_handlers(rows)
+    return [r for r in rows if exe in (r[0], r[2])]
+
+
+def without_handlers(rows: list[tuple]) -> list[tuple]:
+    """The step engine traces signal handlers; Stalker marks them with a GAP instead.  Drop
+    each handler's branches: from the INTERRUPT to the sigreturn back to where it was."""
+    out: list[tuple] = []
+    resume = None
+    for row in rows:
+        if resume is None and row[4] == "INTERRUPT":
+            resume = (row[0], row[1])
+        elif resume is not None and row[4] == "SYSCALL" and (row[2], row[3]) == resume:
+            resume = None
+        elif resume is None:
+            out.append(row)
+    return out
+
+
+def exe_calls(trace: branchtrace.Trace, tid: int, exe: str) -> list[str]:
+    """The executable's functions as the call history enters them, in order, up to exit();
+    a signal handler's calls are left out (see without_handlers)."""
+    history = trace.calls(tid)
+    seg = history.segments
+    names = []
+    skip_below = None
+    for s in seg:
+        depth = int(s["depth"])
+        if skip_below is not None:
+            if depth >= skip_below:
+                continue
+            skip_below = None
+        if s["how"] == HOW_SIGNAL:
+            skip_below = depth
+            continue
+        fid = int(s["function"])
+        if history.function_name(fid) == "exit":
+            break  # as in exe_branches
+        if s["how"] in (HOW_CALL, HOW_TAIL) and fid >= 0 and history.modules[fid] == exe:
+            names.append(history.names[fid])
+    return names
+
+
+def thread_order(trace: branchtrace.Trace) -> list[int]:
+    """Threads by the order they started (the main thread first)."""
+    return sorted(trace.threads, key=lambda t: (t != trace.meta["pid"], t))
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_stalker_matches_the_step_oracle(tmp_path, programs, name):
+    args, expected = FIXTURES[name]
+    program = programs[name]
+    runs = {}
+    for engine in ("step", "stalker"):
+        res = record(tmp_path / engine, engine, program, *args)
+        if expected is not None:
+            assert res.stdout.strip() == expected, (engine, res.stderr)
+        runs[engine] = (res, branchtrace.open(tmp_path / engine))
+    (step_res, step), (stalker_res, stalker) = runs["step"], runs["stalker"]
+    assert step_res.returncode == stalker_res.returncode, (step_res.stderr, stalker_res.stderr)
+    assert len(step.threads) == len(stalker.threads)
+    exe = program.name
+    for t_step, t_stalker in zip(thread_order(step), thread_order(stalker), strict=True):
+        reference = exe_branches(step, t_step, exe, handlers=False)
+        assert len(reference) > 3
+        assert exe_branches(stalker, t_stalker, exe) == reference
+        step_calls = exe_calls(step, t_step, exe)
+        assert exe_calls(stalker, t_stalker, exe) == step_calls
+
+
+def test_step_engine_traces_signal_handlers_and_longjmp_keeps_depth_bounded(tmp_path, programs):
+    res = record(tmp_path / "sig", "step", programs["signal"])
+    assert res.returncode == 0, res.stderr
+    trace = branchtrace.open(tmp_path / "sig")
+    (tid,) = trace.threads
+    history = trace.calls(tid)
+    names = [history.function_name(int(f)) for f in history.segments["function"]]
+    handlers = history.segments[history.segments["how"] == HOW_SIGNAL]
+    assert [history.function_name(int(f)) for f in handlers["function"]] == ["handler"] * 3
+    assert trace.stats()["functions"]["f"] == 3 and "handler" in names
+    # after each handler the thread is back at the depth it was interrupted at
+    main_depths = {
+        int(s["depth"])
+        for s in history.segments
+        if history.function_name(int(s["function"])) == "main"
+    }
+    assert len(main_depths) == 1
+
+    res = record(tmp_path / "lj", "step", programs["longjmp"])
+    assert res.returncode == 0, res.stderr
+    trace = branchtrace.open(tmp_path / "lj")
+    history = trace.calls(trace.threads[0])
+    seg = history.segments
+    main_depths = {
+        int(s["depth"]) for s in seg if history.function_name(int(s["function"])) == "main"
+    }
+    assert len(main_depths) == 1  # three longjmps back into main: no runaway depth
+    assert trace.stats()["functions"]["down"] == 15
