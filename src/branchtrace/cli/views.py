@@ -20,7 +20,7 @@ from rich.table import Table
 from ..analysis import CallHistory, Trace
 from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL
 from ..analysis.trace import HOW_NAMES
-from ..errors import InvalidArgumentError
+from ..errors import UsageError
 from ..store import BranchKind
 
 out = Console(highlight=False, soft_wrap=True)
@@ -37,9 +37,7 @@ def _threads(trace: Trace, tid: int | None) -> list[int]:
         return trace.threads
     if tid not in trace.threads:
         known = ", ".join(map(str, trace.threads)) or "none"
-        raise InvalidArgumentError(
-            f"thread {tid} is not in {trace.path}", hint=f"threads recorded: {known}"
-        )
+        raise UsageError(f"thread {tid} is not in {trace.path}", hint=f"threads recorded: {known}")
     return [tid]
 
 
@@ -238,6 +236,11 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
     for t in _threads(trace, tid):
         rows = _newest_instructions(trace, t, count)
         modules = trace.modules(t)
+        # Stalker records a block as it starts: when the program died of a signal, the
+        # fault is somewhere inside the thread's last block, not necessarily at its end
+        # (the step engine ends the block at the faulting instruction itself).
+        last_block = trace.blocks(t).ids.size - 1
+        crashed = trace.meta.get("signal") if trace.meta.get("engine") != "step" else None
         addresses = np.array([r[0] for r in rows], dtype=np.uint64)
         syms, lines = modules.symbolize(addresses), modules.source_lines(addresses)
         if as_json:
@@ -251,17 +254,31 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
                             "line": line or None,
                             "insn": text,
                             "block": block,
+                            "crash_block": bool(crashed) and block == last_block,
                         }
                     )
                 )
             continue
         _heading(trace, t, f"the last {len(rows)} instructions, oldest first")
         previous = None
-        for (address, text, _block), sym, line in zip(rows, syms, lines, strict=True):
+        for (address, text, block), sym, line in zip(rows, syms, lines, strict=True):
+            if crashed and block == last_block and previous != "crash":
+                name = _signal_name(int(crashed))
+                out.print(f"[bold red]-- the program crashed ({name}) within this block:[/]")
+                previous = "crash"
             if line and line != previous:
                 out.print(f"[dim]{line}[/dim]")
                 previous = line
             out.print(f"  {address:#014x} {sym:<32} {text}", markup=False)
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 # -- stats -----------------------------------------------------------------------------------

@@ -606,6 +606,11 @@ class StalkerEngine:
                 result.signal = status[0].si_status
         else:
             result.warnings.append("the program's exit status could not be observed")
+        if result.exit_code is not None:
+            result.warnings.append(
+                "the trace ends inside exit(): Frida stops following there, so atexit "
+                "handlers and destructors ran untraced"
+            )
         return result
 
     @staticmethod

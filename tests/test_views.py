@@ -1,0 +1,148 @@
+"""The views of a recording (show, calls, insns, stats, info) and the Python API, on
+fixtures with known answers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import branchtrace
+from branchtrace.analysis.kernels import HOW_CALL
+
+BT = [sys.executable, "-m", "branchtrace.cli.main"]
+
+
+def bt(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*BT, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def recorded(tmp_path: Path, program: Path, *args: str, mode: str = "stream", **kw) -> Path:
+    out = tmp_path / program.name
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    res = bt("record", "-o", out, "--mode", mode, *extra, "--", program, *args)
+    assert res.returncode in (0, 139), res.stderr
+    return out
+
+
+def jsonl(res: subprocess.CompletedProcess[str]) -> list[dict]:
+    assert res.returncode == 0, res.stderr
+    return [json.loads(line) for line in res.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def crash_trace(tmp_path_factory, programs) -> Path:
+    return recorded(tmp_path_factory.mktemp("crash"), programs["crash"])
+
+
+def test_show_gives_the_tail_newest_first_with_symbols_and_lines(crash_trace):
+    rows = jsonl(bt("show", crash_trace, "-n", "6", "--json"))
+    assert [r["index"] for r in rows] == list(range(6))
+    newest = rows[0]
+    assert {"index", "tid", "from", "to", "kind", "from_sym", "to_sym"} <= newest.keys()
+    # the last branch is a's call of boom, at crash.c line 5; before it main called a
+    assert (newest["to_sym"], newest["kind"]) == ("boom", "call")
+    assert newest["from_sym"].startswith("a+") and newest["from_line"] == "crash.c:5"
+    assert newest["to_line"] == "crash.c:4"
+    assert any(r["to_sym"] == "a" and r["kind"] == "call" for r in rows)
+    assert any(
+        r["to_sym"] == "puts@plt" for r in jsonl(bt("show", crash_trace, "-n", "200", "--json"))
+    )
+    text = bt("show", crash_trace, "-n", "3")
+    assert text.returncode == 0 and "boom crash.c:4" in text.stdout
+
+
+def test_insns_end_at_the_faulting_store_in_boom(tmp_path, crash_trace, programs):
+    # the step engine knows the faulting instruction exactly
+    exact = recorded(tmp_path, programs["crash"], engine="step")
+    rows = jsonl(bt("insns", exact, "-n", "12", "--json"))
+    assert len(rows) == 12
+    last = rows[-1]
+    assert last["sym"].startswith("boom+") and last["line"] == "crash.c:4"
+    assert last["insn"] == "mov dword ptr [rax], 0x2a" and not last["crash_block"]
+    # Stalker records a block when it starts: the fault is somewhere in the last one, and
+    # the view says so instead of pretending the block ran to its end
+    rows = jsonl(bt("insns", crash_trace, "-n", "12", "--json"))
+    in_block = [r for r in rows if r["crash_block"]]
+    assert in_block and all(r["sym"].startswith("boom") for r in in_block)
+    assert "mov dword ptr [rax], 0x2a" in [r["insn"] for r in in_block]
+    assert "crashed (SIGSEGV) within" in bt("insns", crash_trace, "-n", "12").stdout
+
+
+def test_calls_nest_main_a_b_c(tmp_path, programs):
+    trace = recorded(tmp_path, programs["abc"])
+    rows = jsonl(bt("calls", trace, "--json"))
+    assert {"tid", "depth", "function", "module"} <= rows[0].keys()
+    exe = [r for r in rows if r["module"] == "abc"]
+    names = [(r["function"], r["depth"] - exe[0]["depth"]) for r in exe]
+    assert names[:7] == [("main", 0), ("a", 1), ("b", 2), ("c", 3), ("b", 2), ("a", 1), ("main", 0)]
+    assert ("printf@plt", 1) in names
+    # -F: only the calls of b and below; -D: not deeper than a's callees
+    only_b = jsonl(bt("calls", trace, "--json", "-F", "b"))
+    assert [r["function"] for r in only_b] == ["b", "c", "b"]
+    shallow = jsonl(bt("calls", trace, "--json", "-D", str(exe[0]["depth"] + 1)))
+    assert "b" not in {r["function"] for r in shallow} and "a" in {r["function"] for r in shallow}
+
+
+def test_stats_count_calls_per_function_and_thread(tmp_path, programs):
+    fib = jsonl(bt("stats", recorded(tmp_path, programs["fib"], "20"), "--json"))[0]
+    assert fib["functions"]["fib"] == 21891
+    threads = jsonl(bt("stats", recorded(tmp_path, programs["threads"]), "--json"))[0]
+    assert threads["functions"]["g"] == 1009 + 2003 + 3001 + 4001
+    assert sorted(t.get("g", 0) for t in threads["threads"].values()) == [0, 1009, 2003, 3001, 4001]
+    table = bt("stats", tmp_path / "fib", "-n", "3")
+    assert table.returncode == 0 and "21,891" in table.stdout and "fib" in table.stdout
+
+
+def test_a_wrap_trace_starting_mid_stack_has_no_negative_depth(tmp_path, programs):
+    trace = recorded(tmp_path, programs["fib"], "27", mode="wrap", buffer_size="512K")
+    rows = jsonl(bt("calls", trace, "--json"))
+    assert min(r["depth"] for r in rows) == 0
+    text = bt("calls", trace, "-D", "0")
+    assert "begins inside calls it did not record" in text.stdout
+    t = branchtrace.open(trace)
+    history = t.calls(t.threads[0])
+    assert history.mid_stack
+    # every recorded return goes one level up, never below the shallowest level
+    assert (history.segments["depth"] >= 0).all()
+
+
+def test_a_stripped_program_is_shown_as_module_offsets(tmp_path, programs):
+    (tmp_path / "bin").mkdir()
+    stripped = tmp_path / "bin" / "abc_stripped"
+    shutil.copy(programs["abc"], stripped)
+    # without its build-id too: symbols are cached per build-id, and the unstripped twin's
+    # would be found (as a debugger finds separate debug info)
+    subprocess.run(["strip", "-R", ".note.gnu.build-id", str(stripped)], check=True)
+    trace = recorded(tmp_path, stripped)
+    rows = jsonl(bt("show", trace, "-n", "400", "--json"))
+    exe = [r["from_sym"] for r in rows if r["from_sym"].startswith("abc_stripped+0x")]
+    assert exe, "calls from the stripped executable are named module+offset"
+    assert any(r["to_sym"] == "printf@plt" for r in rows)  # PLT stubs need no .symtab
+
+
+def test_python_api(tmp_path, programs):
+    t = branchtrace.open(recorded(tmp_path, programs["loop23"]))
+    (tid,) = t.threads
+    b = t.branches(tid)
+    assert b.dtype.names[:3] == ("from", "to", "kind")
+    f = t.modules(tid).runtime_address("loop23", "f")
+    assert int(((b["to"] == f) & (b["kind"] == branchtrace.BranchKind.CALL)).sum()) == 23
+    history = t.calls(tid)
+    entered = history.segments[history.segments["how"] == HOW_CALL]
+    assert [history.names[i] for i in entered["function"]].count("f") == 23
+    assert t.stats()["threads"][str(tid)]["f"] == 23
+    assert np.all(np.diff(history.segments["first_block"]) > 0)
+
+
+def test_views_refuse_an_unknown_thread_in_one_line(crash_trace):
+    res = bt("show", crash_trace, "--tid", "1")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "thread 1 is not in" in res.stderr
+    missing = bt("calls", crash_trace.parent / "nothing-here")
+    assert missing.returncode == 3 and "no such recording" in missing.stderr
