@@ -56,7 +56,7 @@ def scan_blocks(words):  # type: ignore[no-untyped-def]
     widx = np.empty(n, np.int64)
     breaks = np.zeros(n, np.uint8)
     resume = np.zeros(n, np.uint64)
-    bits = 12
+    bits = 4  # grows by doubling; small to start, as most programs have few blocks
     keys = np.zeros(1 << bits, np.uint64)
     vals = np.full(1 << bits, -1, np.int32)
     unique = np.empty(1024, np.uint64)

@@ -1,0 +1,75 @@
+"""The numba block scanner and the call-history kernel, against plain references, on
+generated record streams (hypothesis)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from branchtrace.analysis.kernels import (
+    BREAK_GAP,
+    BREAK_INTERRUPT,
+    BREAK_LOST,
+    BREAK_NONE,
+    block_bounds,
+    scan_blocks,
+)
+from branchtrace.store import BranchKind, RecordType, parse_words
+from branchtrace.store.format import GapReason, record_words
+
+# few distinct blocks (as in a real program) and occasionally many: the hash table grows
+starts = st.one_of(st.integers(0x1000, 0x1040), st.integers(1, (1 << 47) - 1))
+blocks = st.tuples(st.just(RecordType.BLOCK), st.integers(0, 200), starts)
+others = st.one_of(
+    st.tuples(st.just(RecordType.LOST), st.just(0), st.integers(1, 1 << 40)),
+    st.tuples(st.just(RecordType.TIME), st.just(0), st.integers(0, 1 << 60)),
+    st.tuples(st.just(RecordType.GAP), st.sampled_from([int(r) for r in GapReason])),
+    st.tuples(
+        st.just(RecordType.BRANCH),
+        st.just(int(BranchKind.INTERRUPT)),
+        st.integers(1, (1 << 47) - 1),
+        st.integers(1, (1 << 47) - 1),
+    ),
+)
+streams = st.lists(st.one_of(blocks, blocks, blocks, others), max_size=300)
+
+
+def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int]]:
+    """Block words, the break before each, and INTERRUPT resume addresses, the slow way."""
+    words, breaks, resumes = [], [], []
+    pending, resume = BREAK_NONE, 0
+    for rtype, arg, *payload in recs:
+        if rtype == RecordType.BLOCK:
+            words.append(payload[0] | (arg << 47))
+            breaks.append(pending)
+            resumes.append(resume)
+            pending = BREAK_NONE
+        elif rtype == RecordType.LOST:
+            pending = BREAK_LOST
+        elif rtype == RecordType.GAP and pending != BREAK_LOST:
+            pending = BREAK_GAP
+        elif rtype == RecordType.BRANCH:
+            pending, resume = BREAK_INTERRUPT, payload[0]
+    return words, breaks, resumes
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams)
+def test_scan_blocks_agrees_with_the_reference_parser(recs):
+    words = np.array([w for r in recs for w in record_words(*r)], dtype=np.uint64)
+    ids, widx, breaks, resume, unique = scan_blocks(words)
+    want_words, want_breaks, want_resumes = reference(recs)
+    assert unique[ids].tolist() == want_words
+    assert breaks.tolist() == want_breaks
+    interrupt = breaks == BREAK_INTERRUPT
+    assert resume[interrupt].tolist() == np.array(want_resumes)[interrupt].tolist()
+    assert len(set(unique.tolist())) == unique.size  # each distinct block interned once
+    # the word index points at each block's own record, as the parser places them
+    parsed = parse_words(words) if words.size else np.zeros(0)
+    if words.size:
+        block_pos = parsed["pos"][parsed["type"] == RecordType.BLOCK] // 8
+        assert widx.tolist() == block_pos.tolist()
+        start, last = block_bounds(unique[ids])
+        assert start.tolist() == parsed["a"][parsed["type"] == RecordType.BLOCK].tolist()
+        assert last.tolist() == parsed["b"][parsed["type"] == RecordType.BLOCK].tolist()
