@@ -13,6 +13,7 @@ from branchtrace.analysis.kernels import (
     BREAK_LOST,
     BREAK_NONE,
     block_bounds,
+    dense_breaks,
     scan_blocks,
 )
 from branchtrace.store import BranchKind, RecordType, parse_words
@@ -40,6 +41,8 @@ def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int]]:
     words, breaks, resumes = [], [], []
     pending, resume = BREAK_NONE, 0
     for rtype, arg, *payload in recs:
+        if rtype == RecordType.GAP and arg == GapReason.SIGNAL:
+            continue  # inside a block: the thread resumes where it was
         if rtype == RecordType.BLOCK:
             words.append(payload[0] | (arg << 47))
             breaks.append(pending)
@@ -58,18 +61,17 @@ def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int]]:
 @given(streams)
 def test_scan_blocks_agrees_with_the_reference_parser(recs):
     words = np.array([w for r in recs for w in record_words(*r)], dtype=np.uint64)
-    ids, widx, breaks, resume, unique = scan_blocks(words)
+    ids, at, why, resume, unique = scan_blocks(words)
     want_words, want_breaks, want_resumes = reference(recs)
     assert unique[ids].tolist() == want_words
+    breaks = dense_breaks(ids.size, at, why)
     assert breaks.tolist() == want_breaks
-    interrupt = breaks == BREAK_INTERRUPT
-    assert resume[interrupt].tolist() == np.array(want_resumes)[interrupt].tolist()
+    assert at.tolist() == np.flatnonzero(breaks).tolist()  # sparse: only real breaks
+    interrupt = why == BREAK_INTERRUPT
+    assert resume[interrupt].tolist() == np.array(want_resumes)[at[interrupt]].tolist()
     assert len(set(unique.tolist())) == unique.size  # each distinct block interned once
-    # the word index points at each block's own record, as the parser places them
-    parsed = parse_words(words) if words.size else np.zeros(0)
     if words.size:
-        block_pos = parsed["pos"][parsed["type"] == RecordType.BLOCK] // 8
-        assert widx.tolist() == block_pos.tolist()
+        parsed = parse_words(words)
         start, last = block_bounds(unique[ids])
         assert start.tolist() == parsed["a"][parsed["type"] == RecordType.BLOCK].tolist()
         assert last.tolist() == parsed["b"][parsed["type"] == RecordType.BLOCK].tolist()

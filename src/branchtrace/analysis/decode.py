@@ -16,7 +16,7 @@ import numpy as np
 from ..store import BranchKind
 from ..symbols import ModuleMap
 from ..x86 import NOT_A_BRANCH, UNKNOWN, classify
-from .kernels import BREAK_INTERRUPT, BREAK_NONE, block_bounds, scan_blocks
+from .kernels import BREAK_INTERRUPT, BREAK_NONE, block_bounds, dense_breaks, scan_blocks
 
 BRANCH_DTYPE = np.dtype([("from", "<u8"), ("to", "<u8"), ("kind", "u1"), ("block", "<i8")])
 
@@ -45,9 +45,9 @@ class Blocks:
     """A thread's executed blocks: a sequence of ids into per-distinct-block tables."""
 
     ids: np.ndarray  #: int32, oldest first
-    word_index: np.ndarray  #: int64: where each block's record sits in the thread's words
-    breaks: np.ndarray  #: uint8 kernels.BREAK_*: why the chain breaks before each block
-    resume: np.ndarray  #: uint64: for BREAK_INTERRUPT, where the interrupted code resumes
+    break_at: np.ndarray  #: int64: the chain breaks right before these blocks ...
+    break_kind: np.ndarray  #: uint8 kernels.BREAK_*: ... for these reasons ...
+    break_resume: np.ndarray  #: uint64: ... and an INTERRUPT resumes the code here
     start: np.ndarray  #: uint64 per distinct block
     last: np.ndarray  #: uint64 per distinct block: address of its last instruction
     kind: np.ndarray  #: uint8 per distinct block: BranchKind of its last instruction, or 0
@@ -55,20 +55,30 @@ class Blocks:
 
 
 def scan(words: np.ndarray, modules: ModuleMap) -> Blocks:
-    ids, widx, breaks, resume, unique = scan_blocks(np.ascontiguousarray(words, np.uint64))
+    ids, at, why, resume, unique = scan_blocks(np.ascontiguousarray(words, np.uint64))
     start, last = block_bounds(unique)
     kind, size = classify_addresses(last, modules)
-    return Blocks(ids, widx, breaks, resume, start, last, kind, size)
+    return Blocks(ids, at, why, resume, start, last, kind, size)
 
 
-def branches_of(blocks: Blocks) -> np.ndarray:
-    """Taken transfers between consecutive blocks, oldest first (BRANCH_DTYPE); `block` is
-    the index of the block the branch goes to.  Nothing is inferred across a LOST or GAP
-    record; a signal delivery recorded by the step engine is an INTERRUPT branch."""
-    ids = blocks.ids
-    if ids.size < 2:
-        return np.zeros(0, BRANCH_DTYPE)
-    a, b = ids[:-1], ids[1:]
+_CHUNK = 1 << 23  #: blocks decoded at a time, to bound the temporaries
+
+
+def branches_of(blocks: Blocks, first: int = 0) -> np.ndarray:
+    """Taken transfers between consecutive blocks from block `first` on, oldest first
+    (BRANCH_DTYPE); `block` is the index of the block the branch goes to.  Nothing is
+    inferred across a LOST or GAP record; a signal delivery recorded by the step engine
+    is an INTERRUPT branch."""
+    parts = [
+        _branches(blocks, lo, min(lo + _CHUNK, blocks.ids.size - 1))
+        for lo in range(max(first, 0), blocks.ids.size - 1, _CHUNK)
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0, BRANCH_DTYPE)
+
+
+def _branches(blocks: Blocks, lo: int, hi: int) -> np.ndarray:
+    """The transfers from block i to block i+1, for lo <= i < hi."""
+    a, b = blocks.ids[lo:hi], blocks.ids[lo + 1 : hi + 1]
     src, dst = blocks.last[a], blocks.start[b]
     kinds = blocks.kind[a]
     falls_through = dst == src + blocks.size[a]
@@ -81,13 +91,17 @@ def branches_of(blocks: Blocks) -> np.ndarray:
     kind[(kinds == NOT_A_BRANCH) & ~falls_through] = BranchKind.INTERRUPT
     taken = ~falls_through | ~np.isin(kinds, (NOT_A_BRANCH, BranchKind.CONDITIONAL))
     taken &= kind != NOT_A_BRANCH
-    brk = blocks.breaks[1:]
+    brk = dense_breaks(hi - lo, blocks.break_at, blocks.break_kind, lo + 1)
     taken &= brk == BREAK_NONE
     interrupt = brk == BREAK_INTERRUPT
     keep = taken | interrupt
     out = np.zeros(int(keep.sum()), BRANCH_DTYPE)
-    src = np.where(interrupt, blocks.resume[1:], src)
-    kind = np.where(interrupt, BranchKind.INTERRUPT, kind)
+    if interrupt.any():
+        resume = np.zeros(hi - lo, np.uint64)
+        sel = (blocks.break_at > lo) & (blocks.break_at <= hi)
+        resume[blocks.break_at[sel] - lo - 1] = blocks.break_resume[sel]
+        src = np.where(interrupt, resume, src)
+        kind = np.where(interrupt, BranchKind.INTERRUPT, kind)
     out["from"], out["to"], out["kind"] = src[keep], dst[keep], kind[keep]
-    out["block"] = np.flatnonzero(keep) + 1
+    out["block"] = np.flatnonzero(keep) + lo + 1
     return out

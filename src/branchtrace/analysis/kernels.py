@@ -20,6 +20,7 @@ from ..store.format import (
     TYPE_MASK,
     TYPE_SHIFT,
     BranchKind,
+    GapReason,
     RecordType,
 )
 
@@ -34,90 +35,138 @@ _LOST, _GAP, _BRANCH, _FAR = (
     for t in (RecordType.LOST, RecordType.GAP, RecordType.BRANCH, RecordType.BLOCK_FAR)
 )
 _INTERRUPT = np.uint64(int(BranchKind.INTERRUPT))
+_GAP_SIGNAL = np.uint64(int(GapReason.SIGNAL))
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-@nb.njit(cache=True, nogil=True)
-def _grow(a, n):  # type: ignore[no-untyped-def]
-    b = np.empty(max(n, 2 * a.size), a.dtype)
+# Numba keeps loops fast only while the arrays they touch stay the same objects, so the
+# loops below never grow an array themselves: they stop and say which one is full, the
+# caller grows it (O(log n) times) and they resume where they stopped.
+_FULL_TABLE, _FULL_UNIQUE, _FULL_BREAKS, _FULL_OUTPUT, _FULL_STACK, _DONE = range(6)
+
+
+def _doubled(a: np.ndarray) -> np.ndarray:
+    b = np.empty(max(2 * a.size, 16), a.dtype)
     b[: a.size] = a
     return b
 
 
 @nb.njit(cache=True, nogil=True)
-def scan_blocks(words):  # type: ignore[no-untyped-def]
-    """(ids int32, word index int64, breaks uint8, resume uint64, unique words uint64).
-
-    ids[i] names the i-th executed block: unique[ids[i]] is its BLOCK word.  breaks[i] says
-    why the chain is broken right before block i; resume[i] is, for an INTERRUPT, where the
-    interrupted code would have continued."""
-    n = words.size
-    ids = np.empty(n, np.int32)
-    widx = np.empty(n, np.int64)
-    breaks = np.zeros(n, np.uint8)
-    resume = np.zeros(n, np.uint64)
-    bits = 4  # grows by doubling; small to start, as most programs have few blocks
+def _table(unique, k, bits):  # type: ignore[no-untyped-def]
     keys = np.zeros(1 << bits, np.uint64)
     vals = np.full(1 << bits, -1, np.int32)
-    unique = np.empty(1024, np.uint64)
-    k = 0
-    m = 0
-    pending = 0
-    pending_resume = np.uint64(0)
-    i = 0
-    shift_type = np.uint64(TYPE_SHIFT)
-    shift_len = np.uint64(LEN_SHIFT)
+    mask = (1 << bits) - 1
+    shift = np.uint64(64 - bits)
+    for j in range(k):
+        g = np.int64((unique[j] * _GOLDEN) >> shift) & mask
+        while vals[g] >= 0:
+            g = (g + 1) & mask
+        keys[g] = unique[j]
+        vals[g] = j
+    return keys, vals
+
+
+@nb.njit(cache=True, nogil=True)
+def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind, break_resume):  # type: ignore[no-untyped-def]
+    """Scan from state[0] until done or an array is full; state = [i, m, k, nbreaks,
+    pending, pending_resume]."""
+    n = words.size
+    i, m, k, nbreaks, pending = state[0], state[1], state[2], state[3], state[4]
+    pending_resume = np.uint64(state[5])
+    mask = (1 << bits) - 1
+    shift = np.uint64(64 - bits)
+    why = _DONE
     while i < n:
         w = words[i]
         if w >> np.uint64(63):
-            t = (w >> shift_type) & np.uint64(TYPE_MASK)
-            length = (w >> shift_len) & np.uint64(LEN_MASK)
-            if t in (_LOST, _FAR):
+            t = (w >> np.uint64(TYPE_SHIFT)) & np.uint64(TYPE_MASK)
+            length = np.int64((w >> np.uint64(LEN_SHIFT)) & np.uint64(LEN_MASK))
+            if t == _LOST or t == _FAR:  # noqa: SIM109 (numba: no tuple of globals)
                 pending = BREAK_LOST
             elif t == _GAP:
-                if pending != BREAK_LOST:
+                # a signal handler's gap is inside a block: the thread resumes where it
+                # was, so the chain holds; any other gap breaks it
+                if (w & np.uint64(0xFF)) != _GAP_SIGNAL and pending != BREAK_LOST:
                     pending = BREAK_GAP
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _INTERRUPT and i + 1 < n:
                 pending = BREAK_INTERRUPT
                 pending_resume = words[i + 1]
-            i += 1 + np.int64(length)
+            i += 1 + length
             continue
         if w == 0:
             i += 1
             continue
-        mask = np.uint64((1 << bits) - 1)
-        h = np.int64(((w * _GOLDEN) >> np.uint64(64 - bits)) & mask)
+        if pending != 0 and nbreaks == break_at.size:
+            why = _FULL_BREAKS
+            break
+        h = np.int64((w * _GOLDEN) >> shift) & mask
         while vals[h] >= 0 and keys[h] != w:
-            h = (h + 1) & np.int64(mask)
-        if vals[h] < 0:
+            h = (h + 1) & mask
+        v = vals[h]
+        if v < 0:
             if k == unique.size:
-                unique = _grow(unique, k + 1)
+                why = _FULL_UNIQUE
+                break
+            if 2 * (k + 1) > (1 << bits):  # keep the table at most half full
+                why = _FULL_TABLE
+                break
             unique[k] = w
             keys[h] = w
             vals[h] = k
+            v = k
             k += 1
-            if 2 * k > (1 << bits):  # rehash at half full
-                bits += 1
-                keys = np.zeros(1 << bits, np.uint64)
-                vals = np.full(1 << bits, -1, np.int32)
-                mask = np.uint64((1 << bits) - 1)
-                for j in range(k):
-                    g = np.int64(((unique[j] * _GOLDEN) >> np.uint64(64 - bits)) & mask)
-                    while vals[g] >= 0:
-                        g = (g + 1) & np.int64(mask)
-                    keys[g] = unique[j]
-                    vals[g] = j
-                h = -1
-            ids[m] = k - 1
-        else:
-            ids[m] = vals[h]
-        widx[m] = i
-        breaks[m] = pending
-        resume[m] = pending_resume
-        pending = 0
+        ids[m] = v
+        if pending != 0:
+            break_at[nbreaks] = m
+            break_kind[nbreaks] = pending
+            break_resume[nbreaks] = pending_resume
+            nbreaks += 1
+            pending = 0
         m += 1
         i += 1
-    return ids[:m], widx[:m], breaks[:m], resume[:m], unique[:k]
+    state[0], state[1], state[2], state[3], state[4] = i, m, k, nbreaks, pending
+    state[5] = np.int64(pending_resume)
+    return why
+
+
+def scan_blocks(
+    words: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(ids int32, break_at int64, break_kind uint8, break_resume uint64, unique uint64).
+
+    ids[i] names the i-th executed block: unique[ids[i]] is its BLOCK word (4 bytes per
+    executed block: traces of 100M+ blocks must fit in memory).  Breaks are rare, so they
+    are sparse: the chain is broken right before block break_at[j], for the reason
+    break_kind[j]; for an INTERRUPT, break_resume[j] is where the interrupted code would
+    have continued."""
+    words = np.ascontiguousarray(words, np.uint64)
+    ids = np.empty(words.size, np.int32)
+    bits = 4
+    unique = np.empty(1 << (bits - 1), np.uint64)
+    keys, vals = _table(unique, 0, bits)
+    breaks = (np.empty(16, np.int64), np.empty(16, np.uint8), np.empty(16, np.uint64))
+    state = np.zeros(6, np.int64)
+    while True:
+        why = _scan_part(words, state, ids, keys, vals, bits, unique, *breaks)
+        if why == _DONE:
+            break
+        if why == _FULL_TABLE:
+            bits += 1
+            keys, vals = _table(unique, int(state[2]), bits)
+        elif why == _FULL_UNIQUE:
+            unique = _doubled(unique)
+        else:
+            breaks = (_doubled(breaks[0]), _doubled(breaks[1]), _doubled(breaks[2]))
+    m, k, nbreaks = int(state[1]), int(state[2]), int(state[3])
+    return ids[:m], breaks[0][:nbreaks], breaks[1][:nbreaks], breaks[2][:nbreaks], unique[:k]
+
+
+def dense_breaks(n: int, at: np.ndarray, kind: np.ndarray, lo: int = 0) -> np.ndarray:
+    """The break kind before each of blocks lo .. lo+n-1 (BREAK_NONE mostly)."""
+    out = np.zeros(n, np.uint8)
+    sel = (at >= lo) & (at < lo + n)
+    out[at[sel] - lo] = kind[sel]
+    return out
 
 
 def block_bounds(unique: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -133,48 +182,53 @@ _CALL, _ICALL, _RET, _SYSCALL = (
 
 
 @nb.njit(cache=True, nogil=True)
-def call_segments(ids, breaks, resume, start, last, kind, size, func, func_start):  # type: ignore[no-untyped-def]
-    """The function-call history of one thread: (first block, depth, function id, how).
-
-    Per unique block: start/last address, kind and size of its last instruction, the
-    function id of its start (-1: none).  func_start[f] is function f's entry address.
-    A shadow stack of (return address, caller function) follows calls and returns; a
-    return to no address on it (a longjmp-like unwind, an exception's landing pad) pops
-    to the nearest frame of the function it lands in, and only when there is none it
-    goes one level up (the trace began mid-stack).  A jump to another function's entry
-    is a tail call (same depth).  Depths start at 0 for the oldest block and may go
-    negative for a trace that begins mid-stack; callers rebase them."""
+def _calls_part(
+    ids,
+    break_at,
+    break_kind,
+    break_resume,
+    start,
+    last,
+    kind,
+    size,
+    func,
+    func_start,
+    state,
+    ret,
+    caller,
+    seg_block,
+    seg_depth,
+    seg_func,
+    seg_how,
+):  # type: ignore[no-untyped-def]
+    """Walk blocks from state[0] until done or an array is full; state = [i, sp, depth,
+    cur, s, j_break]."""
     n = ids.size
-    seg_block = np.empty(n + 1, np.int64)
-    seg_depth = np.empty(n + 1, np.int64)
-    seg_func = np.empty(n + 1, np.int64)
-    seg_how = np.empty(n + 1, np.uint8)
-    if n == 0:
-        return seg_block[:0], seg_depth[:0], seg_func[:0], seg_how[:0]
-    ret = np.empty(1024, np.uint64)
-    caller = np.empty(1024, np.int64)
-    sp = 0
-    depth = 0
-    cur = func[ids[0]]
-    s = 0
-    seg_block[0] = 0
-    seg_depth[0] = 0
-    seg_func[0] = cur
-    seg_how[0] = HOW_START
-    s = 1
-    for i in range(n - 1):
+    i, sp, depth, cur, s, j_break = state[0], state[1], state[2], state[3], state[4], state[5]
+    nb_breaks = break_at.size
+    why = _DONE
+    while i < n - 1:
+        if s == seg_block.size:
+            why = _FULL_OUTPUT
+            break
+        if sp == ret.size:
+            why = _FULL_STACK
+            break
         b = ids[i]
         nb_ = ids[i + 1]
         tgt = start[nb_]
         nf = func[nb_]
         how = -1
-        brk = breaks[i + 1]
+        brk = 0
+        resume = np.uint64(0)
+        while j_break < nb_breaks and break_at[j_break] < i + 1:
+            j_break += 1
+        if j_break < nb_breaks and break_at[j_break] == i + 1:
+            brk = break_kind[j_break]
+            resume = break_resume[j_break]
         if brk == BREAK_INTERRUPT:
             # a signal handler entered: like a call that returns to `resume`
-            if sp == ret.size:
-                ret = _grow(ret, sp + 1)
-                caller = _grow(caller, sp + 1)
-            ret[sp] = resume[i + 1]
+            ret[sp] = resume
             caller[sp] = cur
             sp += 1
             depth += 1
@@ -186,10 +240,7 @@ def call_segments(ids, breaks, resume, start, last, kind, size, func, func_start
         else:
             k = kind[b]
             fall = last[b] + np.uint64(size[b])
-            if (k in (_CALL, _ICALL)) and tgt != fall:
-                if sp == ret.size:
-                    ret = _grow(ret, sp + 1)
-                    caller = _grow(caller, sp + 1)
+            if (k == _CALL or k == _ICALL) and tgt != fall:  # noqa: SIM109
                 ret[sp] = fall
                 caller[sp] = cur
                 sp += 1
@@ -236,4 +287,50 @@ def call_segments(ids, breaks, resume, start, last, kind, size, func, func_start
             seg_how[s] = how
             s += 1
             cur = nf
-    return seg_block[:s], seg_depth[:s], seg_func[:s], seg_how[:s]
+        i += 1
+    state[0], state[1], state[2], state[3], state[4], state[5] = i, sp, depth, cur, s, j_break
+    return why
+
+
+def call_segments(
+    ids: np.ndarray,
+    break_at: np.ndarray,
+    break_kind: np.ndarray,
+    break_resume: np.ndarray,
+    start: np.ndarray,
+    last: np.ndarray,
+    kind: np.ndarray,
+    size: np.ndarray,
+    func: np.ndarray,
+    func_start: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The function-call history of one thread: (first block, depth, function id, how).
+
+    Per unique block: start/last address, kind and size of its last instruction, the
+    function id of its start (-1: none).  func_start[f] is function f's entry address.
+    A shadow stack of (return address, caller function) follows calls and returns; a
+    return to no address on it (a longjmp-like unwind, an exception's landing pad) pops
+    to the nearest frame of the function it lands in, and only when there is none it
+    goes one level up (the trace began mid-stack).  A jump to another function's entry
+    is a tail call (same depth).  Depths start at 0 for the oldest block and may go
+    negative for a trace that begins mid-stack; callers rebase them."""
+    cap = 1024
+    seg = [np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)]
+    seg.append(np.empty(cap, np.uint8))
+    if ids.size == 0:
+        return seg[0][:0], seg[1][:0], seg[2][:0], seg[3][:0]
+    ret, caller = np.empty(256, np.uint64), np.empty(256, np.int64)
+    first = int(func[ids[0]])
+    seg[0][0], seg[1][0], seg[2][0], seg[3][0] = 0, 0, first, HOW_START
+    state = np.array([0, 0, 0, first, 1, 0], np.int64)
+    args = (ids, break_at, break_kind, break_resume, start, last, kind, size, func, func_start)
+    while True:
+        why = _calls_part(*args, state, ret, caller, *seg)
+        if why == _DONE:
+            break
+        if why == _FULL_OUTPUT:
+            seg = [_doubled(a) for a in seg]
+        else:
+            ret, caller = _doubled(ret), _doubled(caller)
+    s = int(state[4])
+    return seg[0][:s], seg[1][:s], seg[2][:s], seg[3][:s]

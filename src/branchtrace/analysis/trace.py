@@ -82,6 +82,7 @@ class Trace:
         self.path = Path(path)
         self._modules: dict[int, ModuleMap] = {}
         self._blocks: dict[int, Blocks] = {}
+        self._calls: dict[int, CallHistory] = {}
 
     @cached_property
     def meta(self) -> dict[str, Any]:
@@ -120,12 +121,26 @@ class Trace:
                 f"thread {tid} is not in {self.path}", hint=f"threads recorded: {known}"
             )
 
-    def branches(self, tid: int) -> np.ndarray:
-        """Taken branches, oldest first: structured array (from, to, kind, block)."""
-        return branches_of(self.blocks(tid))
+    def branches(self, tid: int, last: int | None = None) -> np.ndarray:
+        """Taken branches, oldest first: structured array (from, to, kind, block).
+        `last`: only the newest `last` (decoding just the end of the trace)."""
+        blocks = self.blocks(tid)
+        if last is None:
+            return branches_of(blocks)
+        window = 4 * last + 16
+        while True:
+            found = branches_of(blocks, max(blocks.ids.size - window, 0))
+            if found.size >= last or window >= blocks.ids.size:
+                return found[found.size - min(last, found.size) :]
+            window *= 4
 
     def calls(self, tid: int) -> CallHistory:
         """The function-call history of thread `tid`."""
+        if tid not in self._calls:
+            self._calls[tid] = self._call_history(tid)
+        return self._calls[tid]
+
+    def _call_history(self, tid: int) -> CallHistory:
         blocks = self.blocks(tid)
         modules = self.modules(tid)
         func, _ = modules.function_ids(blocks.start)
@@ -133,8 +148,9 @@ class Trace:
         starts = modules.function_starts
         first, depth, fid, how = call_segments(
             blocks.ids,
-            blocks.breaks,
-            blocks.resume,
+            blocks.break_at,
+            blocks.break_kind,
+            blocks.break_resume,
             blocks.start,
             blocks.last,
             blocks.kind,

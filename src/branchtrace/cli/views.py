@@ -70,8 +70,7 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
     """The tail of the trace: the newest branches first (0 = newest), like the seed's GET."""
     trace = Trace(path)
     for t in _threads(trace, tid):
-        branches = trace.branches(t)
-        tail = branches[::-1][: max(count, 0)]
+        tail = trace.branches(t, last=max(count, 0))[::-1]
         modules = trace.modules(t)
         src_sym, dst_sym = modules.symbolize(tail["from"]), modules.symbolize(tail["to"])
         src_line, dst_line = modules.source_lines(tail["from"]), modules.source_lines(tail["to"])
@@ -90,7 +89,7 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
                 }
                 click.echo(json.dumps(row))
             continue
-        _heading(trace, t, f"the last {len(tail)} of {len(branches):,} branches, newest first")
+        _heading(trace, t, f"the last {len(tail)} branches, newest first")
         table = Table(box=None, header_style="bold", pad_edge=False)
         for col in ("#", "from", "to", "kind"):
             table.add_column(col, justify="right" if col == "#" else "left")

@@ -148,12 +148,14 @@ class TraceDir:
 
         Stream mode: the drained words, then the ring's rest.  Wrap mode: the ring's tail.
         """
-        parts = []
+        parts: list[np.ndarray] = []
         stream = self.stream_path(tid)
         with Ring.open(self.ring_path(tid)) as ring:
             rest, pos = RingReader(ring).read_words()
         if stream.exists() and stream.stat().st_size:
-            drained = np.fromfile(stream, dtype="<u8")
+            # mapped, not read: a stream of 100M+ records is gigabytes, and the page cache
+            # already holds it
+            drained = np.memmap(stream, dtype="<u8", mode="r")
             if pos != drained.size * 8:
                 raise StoreError(
                     f"{stream}: holds {drained.size * 8} bytes but the ring continues at "
@@ -161,7 +163,8 @@ class TraceDir:
                 )
             parts.append(drained)
             pos = 0
-        parts.append(rest)
+        if rest.size or not parts:
+            parts.append(rest)
         return np.concatenate(parts) if len(parts) > 1 else parts[0], pos
 
 
