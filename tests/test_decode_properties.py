@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from branchtrace.analysis.decode import Blocks, branches_of
 from branchtrace.analysis.kernels import (
     BREAK_GAP,
     BREAK_INTERRUPT,
@@ -18,6 +19,7 @@ from branchtrace.analysis.kernels import (
 )
 from branchtrace.store import BranchKind, RecordType, parse_words
 from branchtrace.store.format import GapReason, record_words
+from branchtrace.x86 import NOT_A_BRANCH
 
 # few distinct blocks (as in a real program) and occasionally many: the hash table grows
 starts = st.one_of(st.integers(0x1000, 0x1040), st.integers(1, (1 << 47) - 1))
@@ -75,3 +77,65 @@ def test_scan_blocks_agrees_with_the_reference_parser(recs):
         start, last = block_bounds(unique[ids])
         assert start.tolist() == parsed["a"][parsed["type"] == RecordType.BLOCK].tolist()
         assert last.tolist() == parsed["b"][parsed["type"] == RecordType.BLOCK].tolist()
+
+
+def reference_branches(b: Blocks) -> list[tuple[int, int, int, int]]:
+    """decode.branches_of, one block pair at a time."""
+    reasons = zip(b.break_kind.tolist(), b.break_resume.tolist(), strict=True)
+    breaks = dict(zip(b.break_at.tolist(), reasons, strict=True))
+    out = []
+    for i in range(b.ids.size - 1):
+        a, n = int(b.ids[i]), int(b.ids[i + 1])
+        src, dst, kind = int(b.last[a]), int(b.start[n]), int(b.kind[a])
+        if i + 1 in breaks:
+            why, resume = breaks[i + 1]
+            if why == BREAK_INTERRUPT:
+                out.append((resume, dst, BranchKind.INTERRUPT, i + 1))
+            continue
+        falls = dst == src + int(b.size[a])
+        if kind == NOT_A_BRANCH:
+            if falls or 0 < dst - src <= 32:
+                continue
+            kind = BranchKind.INTERRUPT
+        elif falls and kind == BranchKind.CONDITIONAL:
+            continue
+        out.append((src, dst, kind, i + 1))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 12).flatmap(
+        lambda k: st.tuples(
+            st.lists(st.integers(0, k - 1), min_size=0, max_size=200),
+            st.lists(st.integers(0x1000, 0x1100), min_size=k, max_size=k),
+            st.lists(st.integers(0, 40), min_size=k, max_size=k),
+            st.lists(st.sampled_from([0, *map(int, BranchKind), 255]), min_size=k, max_size=k),
+            st.lists(st.integers(1, 15), min_size=k, max_size=k),
+            st.lists(st.sampled_from([BREAK_LOST, BREAK_GAP, BREAK_INTERRUPT]), max_size=5),
+        )
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_branches_of_agrees_with_a_pairwise_reference(blocks_spec, rnd):
+    ids, starts, offsets, kinds, sizes, break_kinds = blocks_spec
+    ids = np.array(ids, np.int32)
+    at = np.array(
+        sorted(rnd.sample(range(1, ids.size), min(len(break_kinds), max(ids.size - 1, 0)))),
+        np.int64,
+    )
+    why = np.array(break_kinds[: at.size], np.uint8)
+    start = np.array(starts, np.uint64)
+    b = Blocks(
+        ids=ids,
+        break_at=at,
+        break_kind=why,
+        break_resume=np.array([rnd.randrange(1, 1 << 40) for _ in at], np.uint64),
+        start=start,
+        last=start + np.array(offsets, np.uint64),
+        kind=np.array(kinds, np.uint8),
+        size=np.array(sizes, np.uint64),
+    )
+    got = branches_of(b)
+    want = reference_branches(b)
+    assert [tuple(int(x) for x in r) for r in got] == [tuple(map(int, r)) for r in want]

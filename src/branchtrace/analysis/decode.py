@@ -13,13 +13,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..store import BranchKind
 from ..symbols import ModuleMap
-from ..x86 import NOT_A_BRANCH, UNKNOWN, classify
-from .kernels import BREAK_INTERRUPT, BREAK_NONE, block_bounds, dense_breaks, scan_blocks
+from ..x86 import UNKNOWN, classify
+from .kernels import block_bounds, branch_part, scan_blocks
 
 BRANCH_DTYPE = np.dtype([("from", "<u8"), ("to", "<u8"), ("kind", "u1"), ("block", "<i8")])
 
+# An Interceptor hook (Frida's on exit/fork/..., ours on main) overwrites a function's first
+# instructions with a jump to Frida's code, which runs them relocated and jumps back a few
+# bytes on: the file shows no branch, the next block starts a little later.  Those
+# instructions did run: a fall-through, not an interrupt.
 _HOOK_REACH = np.uint64(32)  #: bytes an x86-64 Interceptor hook relocates, at most
 
 
@@ -78,30 +81,27 @@ def branches_of(blocks: Blocks, first: int = 0) -> np.ndarray:
 
 def _branches(blocks: Blocks, lo: int, hi: int) -> np.ndarray:
     """The transfers from block i to block i+1, for lo <= i < hi."""
-    a, b = blocks.ids[lo:hi], blocks.ids[lo + 1 : hi + 1]
-    src, dst = blocks.last[a], blocks.start[b]
-    kinds = blocks.kind[a]
-    falls_through = dst == src + blocks.size[a]
-    # An Interceptor hook (Frida's on exit/fork/..., ours on main) overwrites a function's
-    # first instructions with a jump to Frida's code, which runs them relocated and jumps
-    # back a few bytes on: the file shows no branch, the next block starts a little later.
-    # Those instructions did run; it is a fall-through, not an interrupt.
-    falls_through |= (kinds == NOT_A_BRANCH) & (dst > src) & (dst - src <= _HOOK_REACH)
-    kind = kinds.copy()
-    kind[(kinds == NOT_A_BRANCH) & ~falls_through] = BranchKind.INTERRUPT
-    taken = ~falls_through | ~np.isin(kinds, (NOT_A_BRANCH, BranchKind.CONDITIONAL))
-    taken &= kind != NOT_A_BRANCH
-    brk = dense_breaks(hi - lo, blocks.break_at, blocks.break_kind, lo + 1)
-    taken &= brk == BREAK_NONE
-    interrupt = brk == BREAK_INTERRUPT
-    keep = taken | interrupt
-    out = np.zeros(int(keep.sum()), BRANCH_DTYPE)
-    if interrupt.any():
-        resume = np.zeros(hi - lo, np.uint64)
-        sel = (blocks.break_at > lo) & (blocks.break_at <= hi)
-        resume[blocks.break_at[sel] - lo - 1] = blocks.break_resume[sel]
-        src = np.where(interrupt, resume, src)
-        kind = np.where(interrupt, BranchKind.INTERRUPT, kind)
-    out["from"], out["to"], out["kind"] = src[keep], dst[keep], kind[keep]
-    out["block"] = np.flatnonzero(keep) + lo + 1
+    n = hi - lo
+    src, dst = np.empty(n, np.uint64), np.empty(n, np.uint64)
+    kind, block = np.empty(n, np.uint8), np.empty(n, np.int64)
+    found = branch_part(
+        blocks.ids,
+        lo,
+        hi,
+        blocks.break_at,
+        blocks.break_kind,
+        blocks.break_resume,
+        blocks.start,
+        blocks.last,
+        blocks.kind,
+        blocks.size,
+        _HOOK_REACH,
+        src,
+        dst,
+        kind,
+        block,
+    )
+    out = np.empty(found, BRANCH_DTYPE)
+    out["from"], out["to"] = src[:found], dst[:found]
+    out["kind"], out["block"] = kind[:found], block[:found]
     return out

@@ -36,6 +36,8 @@ _LOST, _GAP, _BRANCH, _FAR = (
 )
 _INTERRUPT = np.uint64(int(BranchKind.INTERRUPT))
 _GAP_SIGNAL = np.uint64(int(GapReason.SIGNAL))
+_INTERRUPT_KIND, _CONDITIONAL = int(BranchKind.INTERRUPT), int(BranchKind.CONDITIONAL)
+_NOT_A_BRANCH = 0  #: x86.NOT_A_BRANCH
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -173,6 +175,60 @@ def block_bounds(unique: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(start, last instruction address) of each BLOCK word."""
     start = unique & np.uint64(BLOCK_ADDR_MASK)
     return start, start + (unique >> np.uint64(BLOCK_ADDR_BITS))
+
+
+@nb.njit(cache=True, nogil=True)
+def branch_part(
+    ids,
+    lo,
+    hi,
+    break_at,
+    break_kind,
+    break_resume,
+    start,
+    last,
+    kind,
+    size,
+    hook_reach,
+    out_from,
+    out_to,
+    out_kind,
+    out_block,
+):  # type: ignore[no-untyped-def]
+    """The taken transfers from block i to block i+1 for lo <= i < hi, into the out_*
+    arrays (room for hi - lo); returns how many.  See decode.branches_of."""
+    nbrk = break_at.size
+    j = np.searchsorted(break_at, lo + 1)
+    c = 0
+    for i in range(lo, hi):
+        a = ids[i]
+        b = ids[i + 1]
+        while j < nbrk and break_at[j] < i + 1:
+            j += 1
+        if j < nbrk and break_at[j] == i + 1:
+            if break_kind[j] == BREAK_INTERRUPT:
+                out_from[c] = break_resume[j]
+                out_to[c] = start[b]
+                out_kind[c] = _INTERRUPT_KIND
+                out_block[c] = i + 1
+                c += 1
+            continue
+        src = last[a]
+        dst = start[b]
+        k = kind[a]
+        falls = dst == src + np.uint64(size[a])
+        if k == _NOT_A_BRANCH:
+            if falls or (dst > src and dst - src <= hook_reach):
+                continue  # a block split, or the relocated head of a hooked function
+            k = _INTERRUPT_KIND
+        elif falls and k == _CONDITIONAL:
+            continue
+        out_from[c] = src
+        out_to[c] = dst
+        out_kind[c] = k
+        out_block[c] = i + 1
+        c += 1
+    return c
 
 
 _CALL, _ICALL, _RET, _SYSCALL = (

@@ -60,7 +60,8 @@ class CallHistory:
     def call_counts(self) -> dict[str, int]:
         """Calls per function name (tail calls included; PLT stubs are not functions of
         their own: the function behind one counts), most called first."""
-        fids = self.entries()["function"]
+        how = self.segments["how"]
+        fids = self.segments["function"][(how == HOW_CALL) | (how == HOW_TAIL)]
         fids = fids[fids >= 0]
         if fids.size:
             stub = np.array([n.endswith("@plt") or n.startswith(".plt") for n in self.names])
