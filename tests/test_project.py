@@ -65,7 +65,8 @@ def test_demo_records_the_example_crash_and_shows_how_it_got_there(tmp_path):
     assert "linked_list was killed by SIGSEGV" in res.stderr
     rows = [line.split() for line in res.stdout.splitlines() if line.strip()[:2].strip().isdigit()]
     newest = rows[-1]
-    assert newest[0] == "0" and newest[1].startswith("main+") and newest[2:4] == ["total", "call"]
+    assert newest[0] == "0" and newest[1].startswith("main+") and newest[2] == "total"
+    assert newest[3].startswith("linked_list.c:") and newest[-1] == "call"
     assert any(r[1].startswith("find+") and r[2].startswith("main+") for r in rows)  # returned
 
 

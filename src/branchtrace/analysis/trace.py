@@ -30,7 +30,8 @@ CALL_DTYPE = np.dtype(
         ("address", "<u8"),  #: where it was entered (its first block's start)
         ("first_block", "<i8"),  #: index of its first block in the thread's block sequence
         ("blocks", "<i8"),  #: how many blocks it ran
-    ]
+    ],
+    align=True,
 )
 HOW_NAMES = ("start", "call", "return", "tail call", "unwind", "jump", "resume", "signal")
 

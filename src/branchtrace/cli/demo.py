@@ -55,15 +55,15 @@ def build_example() -> Path:
 
 def show_last_branches(output: Path, tid: int, last: int) -> None:
     trace = Trace(output)
-    branches = trace.branches(tid)[-last:]
+    branches = trace.branches(tid, last=last)
     modules = trace.modules(tid)
     sources, targets = modules.symbolize(branches["from"]), modules.symbolize(branches["to"])
-    table = Table(
-        title=f"how it got there: the last {len(branches)} branches of thread {tid}",
-        box=None,
-        header_style="bold",
-        title_justify="left",
+    lines = modules.source_lines(branches["to"])
+    targets = [f"{t} {line}" if line else t for t, line in zip(targets, lines, strict=True)]
+    Console(highlight=False, soft_wrap=True).print(
+        f"how it got there: the last {len(branches)} branches of thread {tid}", markup=False
     )
+    table = Table(box=None, header_style="bold")
     for col in ("#", "from", "to", "kind"):
         table.add_column(col, justify="right" if col == "#" else "left")
     for i, (b, src, dst) in enumerate(zip(branches, sources, targets, strict=True)):
@@ -104,8 +104,9 @@ def demo(ctx: click.Context, output: Path, last: int, store_only: bool, records:
     print_summary(result, exe.name)
     show_last_branches(output, result.pid, last)
     Console(highlight=False).print(
-        f"(# 0 is the newest branch: it leads into the function that faulted.)  More: "
-        f"branchtrace info {output}",
+        "(# 0 is the newest branch: it leads into the function that faulted.)\nMore: "
+        f"branchtrace calls {output} (who called whom), branchtrace insns {output} "
+        f"(the last instructions), branchtrace show {output} -n 50",
         markup=False,
         soft_wrap=True,
     )

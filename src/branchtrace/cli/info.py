@@ -84,7 +84,11 @@ def recording_summary(path: Path) -> dict[str, Any]:
         words, _ = trace.words(tid)
         threads[str(tid)] = count_records(words)[0]
     meta["records_per_thread"] = threads
-    meta["modules"] = len([m for m in trace.modules() if m.event == "load"])
+    loads = [m for m in trace.modules(meta.get("pid")) if m.event == "load"]
+    meta["modules"] = len(loads)
+    meta["module_names"] = [Path(m.path).name for m in loads]
+    if meta.get("started_ns") and meta.get("ended_ns"):
+        meta["duration_s"] = (int(meta["ended_ns"]) - int(meta["started_ns"])) / 1e9
     return meta
 
 
@@ -129,9 +133,16 @@ def info(path: Path, as_json: bool) -> None:
             f"engine {meta.get('engine')}, {meta.get('mode')} mode, "
             f"{_human(int(meta.get('buffer_size', 0)))} per thread; "
             f"{len(meta['records_per_thread'])} thread(s), {total:,} records, "
-            f"{meta['modules']} modules",
+            f"{meta['modules']} modules"
+            + (f", {meta['duration_s']:.3g} s" if "duration_s" in meta else ""),
             markup=False,
         )
+        names = meta["module_names"]
+        if names:
+            shown = ", ".join(names[:6]) + (
+                f", ... ({len(names) - 6} more)" if len(names) > 6 else ""
+            )
+            out.print(f"modules: {shown}", markup=False)
         children = meta.get("processes") or {}
         if children:
             endings: dict[str, int] = {}

@@ -381,6 +381,7 @@ class _ForkFollower:
         self.children: dict[int, tuple[Any, _Agent | None]] = {}  #: pid -> session, agent
         self.parents: dict[int, int] = {}
         self.ended: set[int] = set()
+        self._gating: list[Any] = []  #: sessions holding their process's new children
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Loading an agent waits for messages that Frida's dispatch thread delivers, so
         # the children are handled on a thread of our own, never in the signal handler.
@@ -393,6 +394,7 @@ class _ForkFollower:
 
     def watch(self, session: Any) -> None:
         session.enable_child_gating()
+        self._gating.append(session)
 
     def _run(self) -> None:
         while (child := self._queue.get()) is not None:
@@ -436,9 +438,13 @@ class _ForkFollower:
 
     def close(self) -> dict[int, dict[str, Any]]:
         """Stop following; detach from the children still running.  Each child's ending."""
-        self.device.off("child-added", self._on_child_added)
+        # no new child is held from here on; those already held are traced and let go
+        for session in self._gating:
+            with contextlib.suppress(Exception):
+                session.disable_child_gating()
         self._queue.put(None)
         self._worker.join()
+        self.device.off("child-added", self._on_child_added)
         running = set(self.running())
         processes = {}
         for pid, (session, agent) in self.children.items():
