@@ -35,8 +35,9 @@ def build(source: Path, flags: list[str], headers: dict[str, str] | None = None)
     for name, text in headers.items():
         (out_dir / name).write_text(text)
     tmp = Path(tempfile.mkdtemp(dir=out_dir)) / source.stem
+    libs = ["-lpthread"] + (["-lstdc++"] if source.suffix == ".cpp" else [])
     subprocess.run(
-        ["gcc", *flags, "-I", str(out_dir), "-o", str(tmp), str(source), "-lpthread"], check=True
+        ["gcc", *flags, "-I", str(out_dir), "-o", str(tmp), str(source), *libs], check=True
     )
     tmp.rename(exe)
     return exe
@@ -46,7 +47,8 @@ def build(source: Path, flags: list[str], headers: dict[str, str] | None = None)
 def programs() -> dict[str, Path]:
     """Every tests/programs/*.c built with the fixture flags (or those its `cflags:` line
     names), by name."""
-    return {src.stem: build(src, fixture_flags(src)) for src in sorted(PROGRAMS.glob("*.c"))}
+    sources = sorted([*PROGRAMS.glob("*.c"), *PROGRAMS.glob("*.cpp")])
+    return {src.stem: build(src, fixture_flags(src)) for src in sources}
 
 
 def fixture_flags(source: Path) -> list[str]:

@@ -33,6 +33,7 @@ FIXTURES = {
     "signal": ((), "30"),
     "threads_small": ((), "67"),
     "crash": ((), None),
+    "exceptions": ((), "27"),
 }
 
 
@@ -179,3 +180,17 @@ def test_step_engine_traces_signal_handlers_and_longjmp_keeps_depth_bounded(tmp_
     }
     assert len(main_depths) == 1  # three longjmps back into main: no runaway depth
     assert trace.stats()["functions"]["down"] == 15
+
+
+def test_call_history_through_cxx_exceptions_has_no_runaway_depth(tmp_path, programs):
+    res = record(tmp_path / "ex", "stalker", programs["exceptions"])
+    assert res.returncode == 0 and res.stdout.strip() == "27", res.stderr
+    trace = branchtrace.open(tmp_path / "ex")
+    history = trace.calls(trace.threads[0])
+    seg = history.segments
+    named = [(history.function_name(int(s["function"])), int(s["depth"])) for s in seg]
+    main_depths = {d for name, d in named if name == "main"}
+    assert len(main_depths) == 1, named  # the unwinder lands back in main's frame each time
+    thrower = [d for name, d in named if name == "thrower(int)"]  # demangled
+    assert trace.stats()["functions"]["thrower(int)"] == 9
+    assert min(thrower) == min(main_depths) + 1 and max(thrower) == min(main_depths) + 3

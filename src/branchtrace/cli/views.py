@@ -113,11 +113,15 @@ def _selected(history: CallHistory, function: str | None, max_depth: int | None)
     if max_depth is not None:
         keep &= seg["depth"] <= max_depth
     if function is not None:
-        names = np.array([*history.names, "??"], dtype=object)
-        fn = names[seg["function"]]
+        # `thrower` finds the C++ `thrower(int)` too
+        short = [n.split("(")[0] for n in history.names]
+        wanted = np.array(
+            [function in (n, m) for n, m in zip(history.names, short, strict=True)] + [False]
+        )
+        fn_match = wanted[seg["function"]]
         inside = np.zeros(seg.size, dtype=bool)
         entered = np.flatnonzero(
-            (fn == function) & np.isin(seg["how"], (HOW_CALL, HOW_TAIL, HOW_START, HOW_SIGNAL))
+            fn_match & np.isin(seg["how"], (HOW_CALL, HOW_TAIL, HOW_START, HOW_SIGNAL))
         )
         depth = seg["depth"]
         for i in entered.tolist():

@@ -8,11 +8,13 @@ line programs are slow to parse.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from capstone import CS_ARCH_X86, CS_MODE_64, Cs
@@ -24,7 +26,7 @@ from elftools.elf.sections import NoteSection, SymbolTableSection
 
 from ..errors import StoreError
 
-_TABLE_VERSION = 3  #: bump when the cached tables change shape
+_TABLE_VERSION = 4  #: bump when the cached tables change shape
 _BINDING_RANK = {"STB_GLOBAL": 0, "STB_WEAK": 1, "STB_LOCAL": 2}
 
 
@@ -153,6 +155,38 @@ class ElfImage:
             pass  # a read-only home: no cache, same answers
 
 
+@functools.cache
+def _cxa_demangle() -> Any:
+    try:
+        lib = ctypes.CDLL("libstdc++.so.6")
+    except OSError:
+        return None
+    fn = lib.__cxa_demangle
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    return fn
+
+
+def demangle(name: str) -> str:
+    """`thrower(int)` for `_Z7throweri` (the C++ runtime's own demangler); other names as
+    they are."""
+    fn = _cxa_demangle() if name.startswith("_Z") else None
+    if fn is None:
+        return name
+    status = ctypes.c_int()
+    out = fn(name.encode(), None, None, ctypes.byref(status))
+    if status.value != 0 or not out:
+        return name
+    try:
+        return ctypes.string_at(out).decode(errors="replace")
+    finally:
+        _libc_free(out)
+
+
+_libc_free = ctypes.CDLL(None).free
+_libc_free.argtypes = [ctypes.c_void_p]
+
+
 def _build_id(elf: ELFFile) -> str | None:
     for section in elf.iter_sections():
         if isinstance(section, NoteSection):
@@ -177,7 +211,7 @@ def _symbol_table(elf: ELFFile) -> SymbolTable:
             info = sym["st_info"]
             if info["type"] not in ("STT_FUNC", "STT_GNU_IFUNC") or sym["st_shndx"] == "SHN_UNDEF":
                 continue
-            name = sym.name.split("@")[0]
+            name = demangle(sym.name.split("@")[0])
             # among aliases prefer a global, public-looking, short name (memcpy over __GI_memcpy)
             rank = (_BINDING_RANK.get(info["bind"], 3), name.startswith("_"), len(name))
             offer(sym["st_value"], name, sym["st_size"], rank)
@@ -206,7 +240,7 @@ def _plt_stubs(elf: ELFFile) -> list[tuple[int, str, int]]:
             if r["r_info_sym"]:
                 name = symtab.get_symbol(r["r_info_sym"]).name
                 if name:
-                    slots[r["r_offset"]] = name
+                    slots[r["r_offset"]] = demangle(name)
     stubs = []
     cs = Cs(CS_ARCH_X86, CS_MODE_64)
     cs.detail = True
