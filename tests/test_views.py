@@ -146,3 +146,20 @@ def test_views_refuse_an_unknown_thread_in_one_line(crash_trace):
     assert "thread 1 is not in" in res.stderr
     missing = bt("calls", crash_trace.parent / "nothing-here")
     assert missing.returncode == 3 and "no such recording" in missing.stderr
+
+
+def test_views_of_a_follow_fork_recording_keep_each_process_apart(tmp_path, programs):
+    out = tmp_path / "forked"
+    res = bt("record", "-o", out, "--mode", "stream", "--follow-fork", "--", programs["fork"])
+    assert res.returncode == 0, res.stderr
+    stats = jsonl(bt("stats", out, "--json"))[0]
+    t = branchtrace.open(out)
+    parent = t.meta["pid"]
+    (child,) = [tid for tid in t.threads if tid != parent]
+    assert stats["threads"][str(parent)]["f"] == 3 and stats["threads"][str(child)]["f"] == 5
+    assert stats["functions"]["f"] == 8
+    # the child's history starts where fork() returned in it, and goes back up into main
+    rows = jsonl(bt("calls", out, "--json", "--tid", child))
+    assert {r["tid"] for r in rows} == {child}
+    names = [r["function"] for r in rows if r["module"] == "fork"]
+    assert names.count("f") == 5 and "main" in names
