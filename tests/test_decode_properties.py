@@ -14,7 +14,6 @@ from branchtrace.analysis.kernels import (
     BREAK_LOST,
     BREAK_NONE,
     block_bounds,
-    dense_breaks,
     scan_blocks,
 )
 from branchtrace.store import BranchKind, RecordType, parse_words
@@ -36,6 +35,15 @@ others = st.one_of(
     ),
 )
 streams = st.lists(st.one_of(blocks, blocks, blocks, others), max_size=300)
+
+
+def dense_breaks(n: int, at: np.ndarray, kind: np.ndarray, lo: int = 0) -> np.ndarray:
+    """The break kind before each of blocks lo .. lo+n-1 (BREAK_NONE mostly): the
+    scanner's sparse breaks, spread out for comparison."""
+    out = np.zeros(n, np.uint8)
+    sel = (at >= lo) & (at < lo + n)
+    out[at[sel] - lo] = kind[sel]
+    return out
 
 
 def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int]]:

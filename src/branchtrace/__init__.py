@@ -3,7 +3,8 @@
 The public API a notebook user sees; everything else is internal.
 """
 
-from .analysis import BRANCH_DTYPE, CALL_DTYPE, CallHistory, Trace, open
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     BranchtraceError,
     BusyError,
@@ -31,6 +32,21 @@ from .store import (
 )
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .analysis import BRANCH_DTYPE, CALL_DTYPE, CallHistory, Trace, open
+
+_ANALYSIS = {"BRANCH_DTYPE", "CALL_DTYPE", "CallHistory", "Trace", "open"}
+
+
+def __getattr__(name: str) -> Any:
+    # the readers pull in numba (half a second): only for those who read traces
+    if name in _ANALYSIS:
+        from . import analysis
+
+        return getattr(analysis, name)
+    raise AttributeError(f"module 'branchtrace' has no attribute {name!r}")
+
 
 __all__ = [
     "BRANCH_DTYPE",

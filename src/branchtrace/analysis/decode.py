@@ -59,6 +59,30 @@ class Blocks:
     kind: np.ndarray  #: uint8 per distinct block: BranchKind of its last instruction, or 0
     size: np.ndarray  #: uint64 per distinct block: length of its last instruction
 
+    def kernel_args(
+        self,
+    ) -> tuple[
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+        np.ndarray,
+    ]:
+        """The arrays the numba kernels take, in their order."""
+        return (
+            self.ids,
+            self.break_at,
+            self.break_kind,
+            self.break_resume,
+            self.start,
+            self.last,
+            self.kind,
+            self.size,
+        )
+
 
 def scan(words: np.ndarray, modules: ModuleMap) -> Blocks:
     ids, at, why, resume, unique = scan_blocks(np.ascontiguousarray(words, np.uint64))
@@ -86,22 +110,8 @@ def branches_of(blocks: Blocks, first: int = 0) -> np.ndarray:
     total = 0
     for lo in range(first, blocks.ids.size - 1, chunk):
         hi = min(lo + chunk, blocks.ids.size - 1)
-        found = branch_part(
-            blocks.ids,
-            lo,
-            hi,
-            blocks.break_at,
-            blocks.break_kind,
-            blocks.break_resume,
-            blocks.start,
-            blocks.last,
-            blocks.kind,
-            blocks.size,
-            _HOOK_REACH,
-            src,
-            dst,
-            kind,
-            block,
+        found = branch_part(  # type: ignore[call-arg]
+            lo, hi, _HOOK_REACH, *blocks.kernel_args(), src, dst, kind, block
         )
         part = out[total : total + found]
         part["from"], part["to"] = src[:found], dst[:found]

@@ -163,14 +163,6 @@ def scan_blocks(
     return ids[:m], breaks[0][:nbreaks], breaks[1][:nbreaks], breaks[2][:nbreaks], unique[:k]
 
 
-def dense_breaks(n: int, at: np.ndarray, kind: np.ndarray, lo: int = 0) -> np.ndarray:
-    """The break kind before each of blocks lo .. lo+n-1 (BREAK_NONE mostly)."""
-    out = np.zeros(n, np.uint8)
-    sel = (at >= lo) & (at < lo + n)
-    out[at[sel] - lo] = kind[sel]
-    return out
-
-
 def block_bounds(unique: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(start, last instruction address) of each BLOCK word."""
     start = unique & np.uint64(BLOCK_ADDR_MASK)
@@ -179,9 +171,10 @@ def block_bounds(unique: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @nb.njit(cache=True, nogil=True)
 def branch_part(
-    ids,
     lo,
     hi,
+    hook_reach,
+    ids,
     break_at,
     break_kind,
     break_resume,
@@ -189,7 +182,6 @@ def branch_part(
     last,
     kind,
     size,
-    hook_reach,
     out_from,
     out_to,
     out_kind,
@@ -390,3 +382,22 @@ def call_segments(
             ret, caller = _doubled(ret), _doubled(caller)
     s = int(state[4])
     return seg[0][:s], seg[1][:s], seg[2][:s], seg[3][:s]
+
+
+@nb.njit(cache=True, nogil=True)
+def within_calls(depth, entered):  # type: ignore[no-untyped-def]
+    """Which segments lie inside a call that starts at an `entered` segment: from it up to
+    the first later segment shallower than it.  One pass, however many calls."""
+    n = depth.size
+    inside = np.zeros(n, np.bool_)
+    i = 0
+    while i < n:
+        if entered[i]:
+            j = i + 1
+            while j < n and depth[j] >= depth[i]:
+                j += 1
+            inside[i:j] = True
+            i = j
+        else:
+            i += 1
+    return inside

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from ..store.tracedir import TraceDir
 from ..symbols import ModuleMap
 from .decode import Blocks, branches_of, scan
@@ -52,11 +53,6 @@ class CallHistory:
 
     def module_name(self, fid: int) -> str:
         return self.modules[fid] if fid >= 0 else "??"
-
-    def entries(self) -> np.ndarray:
-        """The segments that enter a function (a call or a tail call)."""
-        how = self.segments["how"]
-        return self.segments[(how == HOW_CALL) | (how == HOW_TAIL)]
 
     def call_counts(self) -> dict[str, int]:
         """Calls per function name (tail calls included; PLT stubs are not functions of
@@ -95,7 +91,7 @@ class Trace:
         return self.dir.threads()
 
     def pid_of(self, tid: int) -> int:
-        return self.dir.thread_pid(tid)
+        return self.dir.thread_pid(tid, self.meta)
 
     def modules(self, tid: int) -> ModuleMap:
         """The modules of the thread's process, from the recording's module records."""
@@ -116,8 +112,6 @@ class Trace:
 
     def _check_tid(self, tid: int) -> None:
         if tid not in self.threads:
-            from ..errors import InvalidArgumentError
-
             known = ", ".join(map(str, self.threads)) or "none"
             raise InvalidArgumentError(
                 f"thread {tid} is not in {self.path}", hint=f"threads recorded: {known}"
@@ -147,18 +141,8 @@ class Trace:
         modules = self.modules(tid)
         func, _ = modules.function_ids(blocks.start)
         names = modules.function_names
-        starts = modules.function_starts
         first, depth, fid, how = call_segments(
-            blocks.ids,
-            blocks.break_at,
-            blocks.break_kind,
-            blocks.break_resume,
-            blocks.start,
-            blocks.last,
-            blocks.kind,
-            blocks.size,
-            func.astype(np.int64),
-            starts,
+            *blocks.kernel_args(), func.astype(np.int64), modules.function_starts
         )
         seg = np.zeros(first.size, CALL_DTYPE)
         lowest = int(depth.min()) if depth.size else 0
@@ -170,11 +154,11 @@ class Trace:
         seg["blocks"] = np.diff(first, append=blocks.ids.size)
         return CallHistory(tid, seg, names, modules.function_modules, mid_stack=lowest < 0)
 
-    def stats(self) -> dict[str, Any]:
-        """Calls per function: overall, and per thread."""
+    def stats(self, tids: list[int] | None = None) -> dict[str, Any]:
+        """Calls per function: overall, and per thread (of `tids`, default all)."""
         overall: dict[str, int] = {}
         threads: dict[str, dict[str, int]] = {}
-        for tid in self.threads:
+        for tid in self.threads if tids is None else tids:
             counts = self.calls(tid).call_counts()
             threads[str(tid)] = counts
             for name, n in counts.items():

@@ -2,28 +2,45 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 from rich.console import Console
 
 from ..errors import BranchtraceError
-from . import demo, info, record, views
 
 err = Console(stderr=True, highlight=False)
 
+#: command -> module defining it.  Imported when used (click's lazy loading): the views
+#: pull in numba, which `record` must not pay for in its start-up.
+COMMANDS = {
+    "record": "record",
+    "info": "info",
+    "show": "views",
+    "calls": "views",
+    "insns": "views",
+    "stats": "views",
+    "demo": "demo",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module = importlib.import_module(f"{__package__}.{COMMANDS[name]}")
+        command: click.Command = getattr(module, name)
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="branchtrace")
 def cli() -> None:
     """Record and read the branch trace of native Linux x86-64 programs."""
-
-
-cli.add_command(info.info)
-cli.add_command(demo.demo)
-cli.add_command(record.record)
-for view in (views.show, views.calls, views.insns, views.stats):
-    cli.add_command(view)
 
 
 def main(argv: list[str] | None = None) -> None:

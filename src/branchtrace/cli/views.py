@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..analysis import CallHistory, Trace
-from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL
+from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL, within_calls
 from ..analysis.trace import HOW_NAMES
 from ..errors import UsageError
 from ..store import BranchKind
@@ -114,23 +114,10 @@ def _selected(history: CallHistory, function: str | None, max_depth: int | None)
         keep &= seg["depth"] <= max_depth
     if function is not None:
         # `thrower` finds the C++ `thrower(int)` too
-        short = [n.split("(")[0] for n in history.names]
-        wanted = np.array(
-            [function in (n, m) for n, m in zip(history.names, short, strict=True)] + [False]
-        )
-        fn_match = wanted[seg["function"]]
-        inside = np.zeros(seg.size, dtype=bool)
-        entered = np.flatnonzero(
-            fn_match & np.isin(seg["how"], (HOW_CALL, HOW_TAIL, HOW_START, HOW_SIGNAL))
-        )
-        depth = seg["depth"]
-        for i in entered.tolist():
-            if inside[i]:
-                continue
-            below = np.flatnonzero(depth[i + 1 :] < depth[i])
-            end = i + 1 + int(below[0]) if below.size else seg.size
-            inside[i:end] = True
-        keep &= inside
+        named = [function in (n, n.split("(")[0]) for n in history.names]
+        matches = np.array([*named, False])[seg["function"]]
+        entering = np.isin(seg["how"], (HOW_CALL, HOW_TAIL, HOW_START, HOW_SIGNAL))
+        keep &= within_calls(seg["depth"], matches & entering)
     return np.flatnonzero(keep)
 
 
@@ -149,9 +136,9 @@ def calls(
         history = trace.calls(t)
         rows = _selected(history, function, max_depth)
         seg = history.segments
-        modules = trace.modules(t)
+        labels = _labels(history, trace.modules(t), seg[rows])
         if as_json:
-            for i in rows.tolist():
+            for i, label in zip(rows.tolist(), labels, strict=True):
                 s = seg[i]
                 fid = int(s["function"])
                 click.echo(
@@ -160,7 +147,7 @@ def calls(
                             "tid": t,
                             "index": i,
                             "depth": int(s["depth"]),
-                            "function": _function_label(history, modules, fid, int(s["address"])),
+                            "function": label,
                             "module": history.module_name(fid),
                             "how": HOW_NAMES[int(s["how"])],
                             "address": int(s["address"]),
@@ -176,21 +163,24 @@ def calls(
             else ""
         )
         _heading(trace, t, f"{len(rows):,} of {seg.size:,} call-history segments{note}")
+        modules = trace.modules(t)
         lines = modules.source_lines(seg["address"][rows]) if rows.size <= 100_000 else None
-        for k, i in enumerate(rows.tolist()):
+        for k, (i, label) in enumerate(zip(rows.tolist(), labels, strict=True)):
             s = seg[i]
-            fid = int(s["function"])
-            label = _function_label(history, modules, fid, int(s["address"]))
             how = int(s["how"])
             mark = " [signal handler]" if how == HOW_SIGNAL else ""
             src = f"  {lines[k]}" if lines and lines[k] else ""
             out.print(f"{i:>6}  {'  ' * int(s['depth'])}{label}{mark}{src}", markup=False)
 
 
-def _function_label(history: CallHistory, modules: Any, fid: int, address: int) -> str:
-    if fid >= 0:
-        return history.function_name(fid)
-    return modules.symbolize(np.array([address], dtype=np.uint64))[0]
+def _labels(history: CallHistory, modules: Any, rows: np.ndarray) -> list[str]:
+    """Each segment's function name; `module+0xoff` of its entry where it has none (one
+    vectorised lookup for all of those)."""
+    labels = [history.names[f] if f >= 0 else "" for f in rows["function"].tolist()]
+    unnamed = np.flatnonzero(rows["function"] < 0)
+    for k, label in zip(unnamed.tolist(), modules.symbolize(rows["address"][unnamed]), strict=True):
+        labels[k] = label
+    return labels
 
 
 # -- insns -----------------------------------------------------------------------------------
@@ -296,14 +286,10 @@ def stats(path: Path, top: int, tid: int | None, as_json: bool) -> None:
     """Calls per function, per thread and overall, most called first."""
     trace = Trace(path)
     threads = _threads(trace, tid)
-    per_thread = {str(t): trace.calls(t).call_counts() for t in threads}
-    overall: dict[str, int] = {}
-    for counts in per_thread.values():
-        for name, n in counts.items():
-            overall[name] = overall.get(name, 0) + n
-    functions = dict(sorted(overall.items(), key=lambda kv: (-kv[1], kv[0])))
+    counts = trace.stats(threads)
+    functions, per_thread = counts["functions"], counts["threads"]
     if as_json:
-        click.echo(json.dumps({"functions": functions, "threads": per_thread}))
+        click.echo(json.dumps(counts))
         return
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("calls", justify="right")

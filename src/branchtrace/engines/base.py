@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..store import Mode
 
@@ -56,6 +57,41 @@ class RecordResult:
     @property
     def lost(self) -> int:
         return sum(t.lost for t in self.threads.values())
+
+
+def start_meta(
+    engine: str, options: RecordOptions, argv: tuple[str, ...], executable: str | None
+) -> dict[str, Any]:
+    """meta.json as a recording starts (docs/format.md, "a recording directory")."""
+    return {
+        "engine": engine,
+        "mode": options.mode.name.lower(),
+        "buffer_size": options.buffer_size,
+        "started_ns": time.time_ns(),
+        "argv": list(argv),
+        "executable": executable,
+        "attached": not argv,
+        "sched": options.sched,
+    }
+
+
+def finish_meta(
+    meta: dict[str, Any], result: RecordResult, untraced_threads: list[dict[str, Any]]
+) -> None:
+    """meta.json's account of how the recording ended."""
+    meta.update(
+        {
+            "ended_ns": time.time_ns(),
+            "pid": result.pid,
+            "exit_code": result.exit_code,
+            "signal": result.signal,
+            "detached": result.detached,
+            "processes": {str(p): e for p, e in result.processes.items()},
+            "untraced_threads": untraced_threads,
+            "warnings": result.warnings,
+            "threads": {str(t): s.__dict__ for t, s in result.threads.items()},
+        }
+    )
 
 
 class Events(Protocol):

@@ -38,7 +38,15 @@ from ..store import Flags, Mode, Ring, RingReader
 from ..store.format import GapReason, c_writer_source
 from ..store.records import count_records
 from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
-from .base import Events, RecordOptions, RecordResult, Target, ThreadStats
+from .base import (
+    Events,
+    RecordOptions,
+    RecordResult,
+    Target,
+    ThreadStats,
+    finish_meta,
+    start_meta,
+)
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
@@ -481,16 +489,7 @@ class StalkerEngine:
             _check_attachable(target.pid)
         tracedir = TraceDir.create(options.output)
         rec = _Recording(tracedir, options)
-        meta: dict[str, Any] = {
-            "engine": self.name,
-            "mode": options.mode.name.lower(),
-            "buffer_size": size,
-            "started_ns": time.time_ns(),
-            "argv": list(target.argv),
-            "executable": str(program) if program else None,
-            "attached": program is None,
-            "sched": options.sched,
-        }
+        meta = start_meta(self.name, options, target.argv, str(program) if program else None)
         started = False
         try:
             if program is not None:
@@ -514,19 +513,7 @@ class StalkerEngine:
                 f"signal handlers ran {untraced['signal']} times untraced (Stalker does not "
                 "follow them); GAP records mark where"
             )
-        meta.update(
-            {
-                "ended_ns": time.time_ns(),
-                "pid": result.pid,
-                "exit_code": result.exit_code,
-                "signal": result.signal,
-                "detached": result.detached,
-                "processes": {str(p): e for p, e in result.processes.items()},
-                "untraced_threads": rec.untraced_threads,
-                "warnings": result.warnings,
-                "threads": {str(t): s.__dict__ for t, s in result.threads.items()},
-            }
-        )
+        finish_meta(meta, result, rec.untraced_threads)
         tracedir.write_meta(meta)
         return result
 
@@ -572,10 +559,7 @@ class StalkerEngine:
 
         session.on("detached", on_detached)
         events.started(
-            f"recording {argv[0]} (pid {pid}) from main with the stalker engine, "
-            f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread"
-            + (", following forks" if options.follow_fork else "")
-            + f", into {rec.tracedir.path}; Ctrl-C to stop"
+            f"recording {argv[0]} (pid {pid}) from main with {_how(options, rec)}; Ctrl-C to stop"
         )
         rec.start_draining()
         exited, status = _watch_child(pid)
@@ -680,10 +664,8 @@ class StalkerEngine:
 
         session.on("detached", on_detached)
         events.started(
-            f"recording pid {pid} ({len(tids)} threads) with the stalker engine, "
-            f"{options.mode.name.lower()} mode, {_human(options.buffer_size)} per thread"
-            + (", following forks" if options.follow_fork else "")
-            + f", into {rec.tracedir.path}; Ctrl-C to stop and detach"
+            f"recording pid {pid} ({len(tids)} threads) with {_how(options, rec)}; "
+            "Ctrl-C to stop and detach"
         )
         rec.start_draining()
         forks = None
@@ -746,6 +728,15 @@ def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
                     break
         time.sleep(0.0005)
     return exited, status
+
+
+def _how(options: RecordOptions, rec: _Recording) -> str:
+    return (
+        f"the stalker engine, {options.mode.name.lower()} mode, "
+        f"{_human(options.buffer_size)} per thread"
+        + (", following forks" if options.follow_fork else "")
+        + f", into {rec.tracedir.path}"
+    )
 
 
 def _human(n: int) -> str:

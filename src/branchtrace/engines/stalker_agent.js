@@ -47,6 +47,8 @@ const cm = new CModule(PARAMS.cSource, {
   clock_gettime: libc('clock_gettime'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
+// false in a forked child that Frida's child gating keeps this script alive in
+const inTracedProcess = () => getpid() === state.readU32();
 const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
@@ -96,7 +98,7 @@ Process.attachModuleObserver({
 
 Process.attachThreadObserver({
   onAdded(thread) {
-    if (!tracing || thread.id !== Process.getCurrentThreadId() || getpid() !== state.readU32()) {
+    if (!tracing || thread.id !== Process.getCurrentThreadId() || !inTracedProcess()) {
       return;
     }
     // Frida's injector starts threads of its own (around fork, with child gating) at code in
@@ -110,7 +112,7 @@ Process.attachThreadObserver({
   },
   onRemoved(thread) {
     const t = threads.get(thread.id);
-    if (t !== undefined && getpid() === state.readU32()) {
+    if (t !== undefined && inTracedProcess()) {
       threadClose(t);
       threads.delete(thread.id);
       send({ type: 'thread-exit', tid: thread.id });

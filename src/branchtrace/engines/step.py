@@ -22,16 +22,25 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 
 from ..errors import EngineUnavailableError, InvalidArgumentError, LaunchError
 from ..store import Flags, Mode, Ring, RingReader, RingWriter
 from ..store.format import BLOCK_ADDR_MASK, BLOCK_OFF_MASK, BranchKind, RecordType, block_word
 from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
 from ..x86 import NOT_A_BRANCH, classify
-from .base import Events, RecordOptions, RecordResult, Target, ThreadStats
+from .base import (
+    Events,
+    RecordOptions,
+    RecordResult,
+    Target,
+    ThreadStats,
+    finish_meta,
+    start_meta,
+)
 from .stalker import resolve_program
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -157,18 +166,9 @@ class StepEngine:
             raise InvalidArgumentError(f"buffer size {options.buffer_size} is too small")
         options = dataclasses.replace(options, buffer_size=size)
         program = resolve_program(target.argv[0])
-        main_file_address = _main_address(program)
+        main_file_address, pie = _main_address(program)
         tracedir = TraceDir.create(options.output)
-        meta: dict[str, Any] = {
-            "engine": self.name,
-            "mode": options.mode.name.lower(),
-            "buffer_size": size,
-            "started_ns": time.time_ns(),
-            "argv": list(target.argv),
-            "executable": str(program),
-            "attached": False,
-            "sched": False,
-        }
+        meta = start_meta(self.name, options, target.argv, str(program))
         try:
             child = subprocess.Popen(
                 [str(program), *target.argv[1:]], preexec_fn=_traceme, close_fds=True
@@ -192,7 +192,7 @@ class StepEngine:
         )
         result = RecordResult(tracedir.path, pid)
         try:
-            session.run_to(session.runtime_address(main_file_address))
+            session.run_to(session.runtime_address(main_file_address, pie))
             status = session.step_all()
         finally:
             result.threads = session.close()
@@ -202,34 +202,22 @@ class StepEngine:
             result.exit_code = os.WEXITSTATUS(status)
         with contextlib.suppress(ChildProcessError):
             child.wait(timeout=0)
-        meta.update(
-            {
-                "ended_ns": time.time_ns(),
-                "exit_code": result.exit_code,
-                "signal": result.signal,
-                "detached": False,
-                "processes": {},
-                "untraced_threads": [],
-                "warnings": result.warnings,
-                "threads": {str(t): s.__dict__ for t, s in result.threads.items()},
-            }
-        )
+        finish_meta(meta, result, [])
         tracedir.write_meta(meta)
         return result
 
 
-def _main_address(program: Path) -> int:
-    from elftools.elf.elffile import ELFFile
-    from elftools.elf.sections import SymbolTableSection
-
+def _main_address(program: Path) -> tuple[int, bool]:
+    """main's file address, and whether the executable is position-independent."""
     with open(program, "rb") as f:
         elf = ELFFile(f)
+        pie = elf["e_type"] == "ET_DYN"
         for name in (".symtab", ".dynsym"):
             table = elf.get_section_by_name(name)
             if isinstance(table, SymbolTableSection):
                 for sym in table.get_symbol_by_name("main") or []:
                     if sym["st_value"]:
-                        return int(sym["st_value"])
+                        return int(sym["st_value"]), pie
     raise EngineUnavailableError(
         f"{program} has no symbol for main, which the step engine starts at",
         hint="use the stalker engine for stripped programs",
@@ -278,17 +266,14 @@ class _Session:
                 ModuleEvent("load", base, end - base, path, time.time_ns(), self.pid)
             )
 
-    def runtime_address(self, file_address: int) -> int:
+    def runtime_address(self, file_address: int, pie: bool) -> int:
+        """Where the executable's `file_address` is in the process (its lowest mapping is
+        its load base when it is position-independent)."""
         exe = str(self.program)
         for line in Path(f"/proc/{self.pid}/maps").read_text().splitlines():
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[5] == exe and int(parts[2], 16) == 0:
-                base = int(parts[0].split("-")[0], 16)
-                from elftools.elf.elffile import ELFFile
-
-                with open(self.program, "rb") as f:
-                    pie = ELFFile(f)["e_type"] == "ET_DYN"
-                return base + file_address if pie else file_address
+                return int(parts[0].split("-")[0], 16) + file_address if pie else file_address
         raise EngineUnavailableError(f"cannot find {exe} in the memory of process {self.pid}")
 
     def kind(self, address: int) -> tuple[int, int]:

@@ -134,9 +134,9 @@ class TraceDir:
         main = self.meta().get("pid")
         return [e for e in events if e.pid == pid or (e.pid == 0 and pid == main)]
 
-    def thread_pid(self, tid: int) -> int:
-        """The process thread `tid` belongs to."""
-        meta = self.meta()
+    def thread_pid(self, tid: int, meta: dict[str, Any] | None = None) -> int:
+        """The process thread `tid` belongs to (`meta`: meta.json, if already read)."""
+        meta = self.meta() if meta is None else meta
         pid = (meta.get("threads") or {}).get(str(tid), {}).get("pid")
         return int(pid) if pid else int(meta.get("pid") or 0)
 
