@@ -107,7 +107,7 @@ output_option = click.option(
     default="stalker",
     show_default=True,
     help="stalker: Frida dynamic instrumentation (fast); step: ptrace single-step, "
-    "exact and slow (~10k instructions/s), the reference",
+    "exact and slow (~5k instructions/s here), the reference",
 )
 @click.option(
     "--follow-fork",

@@ -1,6 +1,6 @@
 """The step engine: ptrace single-stepping, one instruction at a time (ctypes).
 
-Slow (about 10-20 thousand instructions a second) but exact, and independent of Frida:
+Slow (about 5-6 thousand instructions a second here) but exact, and independent of Frida:
 it is the oracle the stalker engine is tested against.  It writes the same store format:
 one BLOCK record per run of instructions ending in a control-flow instruction (taken or
 not), like Stalker's blocks.  A signal delivery is an explicit BRANCH record of kind
