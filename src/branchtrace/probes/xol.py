@@ -314,6 +314,46 @@ def _slot_code(insn: object, address: int, slot: int) -> bytes:
     return bytes(code) + b"\xe9" + back.to_bytes(4, "little", signed=True)
 
 
+def remote_syscall(tid: int, mem_fd: int, number: int, *args: int) -> int:
+    """Make a thread stopped under ptrace run one system call (a `syscall` instruction
+    written at its rip, then the code and registers put back); its result."""
+    saved = _getregs(tid)
+    regs = _getregs(tid)
+    at = saved.rip
+    code = os.pread(mem_fd, 2, at)
+    os.pwrite(mem_fd, b"\x0f\x05", at)
+    regs.rax = number
+    for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
+        setattr(regs, name, value & (2**64 - 1))
+    regs.orig_rax = 2**64 - 1  # no syscall restart on resume
+    _setregs(tid, regs)
+    signals = []
+    try:
+        _call(PTRACE_SINGLESTEP, tid)
+        while True:
+            _, status = os.waitpid(tid, _WALL)
+            if not os.WIFSTOPPED(status):
+                raise EngineUnavailableError("the process ended during set-up")
+            if os.WSTOPSIG(status) == signal.SIGTRAP:
+                break
+            signals.append(os.WSTOPSIG(status))  # delivered again once we are done
+            _call(PTRACE_SINGLESTEP, tid)
+        result = _getregs(tid).rax
+    finally:
+        os.pwrite(mem_fd, code, at)
+        _setregs(tid, saved)
+    for sig in signals:
+        _libc.syscall(234, _tgid(tid), tid, sig)  # tgkill
+    return result - 2**64 if result >> 63 else result
+
+
+def _tgid(tid: int) -> int:
+    for line in Path(f"/proc/{tid}/status").read_text().splitlines():
+        if line.startswith("Tgid:"):
+            return int(line.split()[1])
+    return tid
+
+
 # -- the process ---------------------------------------------------------------------------------
 
 
@@ -587,32 +627,7 @@ class _Session:
         raise EngineUnavailableError("no room for an XOL page within 2 GB of the probed code")
 
     def _syscall(self, tid: int, number: int, *args: int) -> int:
-        """Make the stopped thread run one system call (at its rip, then put back)."""
-        saved = _getregs(tid)
-        regs = _getregs(tid)
-        at = saved.rip
-        code = self.read(at, 2)
-        assert code is not None
-        self.write(at, b"\x0f\x05")
-        regs.rax = number
-        for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
-            setattr(regs, name, value & (2**64 - 1))
-        regs.orig_rax = 2**64 - 1  # no syscall restart on resume
-        _setregs(tid, regs)
-        try:
-            _call(PTRACE_SINGLESTEP, tid)
-            while True:
-                _, status = os.waitpid(tid, _WALL)
-                if os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGTRAP:
-                    break
-                if not os.WIFSTOPPED(status):
-                    raise EngineUnavailableError("the process ended during set-up")
-                _call(PTRACE_SINGLESTEP, tid)  # another signal; it stays pending
-            result = _getregs(tid).rax
-        finally:
-            self.write(at, code)
-            _setregs(tid, saved)
-        return result - 2**64 if result >> 63 else result
+        return remote_syscall(tid, self.mem_fd, number, *args)
 
     # -- running -------------------------------------------------------------------------------
 
