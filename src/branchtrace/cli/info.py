@@ -129,6 +129,13 @@ def info(path: Path, as_json: bool) -> None:
         what = " ".join(meta.get("argv") or []) or f"pid {meta.get('pid')}"
         out.print(f"{what}  (pid {meta.get('pid')}): {_ending(meta)}", markup=False)
         total = sum(meta["records_per_thread"].values())
+        for i, probe in enumerate(meta.get("probes") or []):
+            per_tid = (meta.get("hits") or {}).get(str(i), {})
+            out.print(
+                f"probe {probe['label']}: {sum(per_tid.values()):,} hits in "
+                f"{len(per_tid)} thread(s)",
+                markup=False,
+            )
         out.print(
             f"engine {meta.get('engine')}, {meta.get('mode')} mode, "
             f"{_human(int(meta.get('buffer_size', 0)))} per thread; "

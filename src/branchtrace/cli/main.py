@@ -22,7 +22,15 @@ COMMANDS = {
     "insns": "views",
     "stats": "views",
     "demo": "demo",
+    "probe": "probe",
 }
+
+_raw_args: list[str] = []
+
+
+def raw_args() -> list[str]:
+    """The command line as given (where `--` was, which click does not tell)."""
+    return _raw_args
 
 
 class LazyGroup(click.Group):
@@ -44,6 +52,7 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    _raw_args[:] = sys.argv[1:] if argv is None else argv
     try:
         cli.main(args=argv, prog_name="branchtrace", standalone_mode=False)
     except click.exceptions.Abort:

@@ -22,6 +22,7 @@ header word followed by payload words:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum, IntFlag
 
 import numpy as np
@@ -212,6 +213,78 @@ def record_words(rtype: int, arg: int = 0, *payload: int) -> list[int]:
     if len(payload) > MAX_RING_PAYLOAD:
         raise ValueError(f"at most {MAX_RING_PAYLOAD} payload words per record")
     return [escape(rtype, len(payload), arg), *(payload_word(p) for p in payload)]
+
+
+#: PROBE_HIT value tags in the packed value bytes
+VALUE_NONE, VALUE_INT, VALUE_STR = 0, 1, 2
+#: payload words of a PROBE_HIT before its packed values: time_ns, ip, value byte count
+PROBE_HIT_FIXED = 3
+
+
+def pack_bytes(data: bytes) -> list[int]:
+    """Bytes as payload words, 7 to a word (bit 63 stays clear)."""
+    padded = data + b"\0" * (-len(data) % 7)
+    return [int.from_bytes(padded[i : i + 7], "little") for i in range(0, len(padded), 7)]
+
+
+def unpack_bytes(words: Sequence[int], n: int) -> bytes:
+    return b"".join(int(w).to_bytes(8, "little")[:7] for w in words)[:n]
+
+
+def probe_hit_payload(time_ns: int, ip: int, values: Sequence[int | str | None]) -> list[int]:
+    """A PROBE_HIT record's payload: time, ip, then the fetched values packed as bytes
+    (per value: a tag byte; an int as 8 bytes two's complement; a string as a 2-byte
+    length and UTF-8).  Strings are cut so the record fits in a ring record."""
+    room = (MAX_RING_PAYLOAD - PROBE_HIT_FIXED) * 7
+    blob = _pack_values(values)
+    while len(blob) > room:  # cut the longest string by what is too much
+        strings = [v for v in values if isinstance(v, str)]
+        if not strings:
+            raise ValueError(f"probe values take {len(blob)} bytes, a record holds {room}")
+        longest = max(strings, key=len)
+        cut = longest[: max(0, len(longest) - (len(blob) - room) - 1)]
+        values = [cut if v is longest else v for v in values]
+        blob = _pack_values(values)
+    return [time_ns, ip, len(blob), *pack_bytes(bytes(blob))]
+
+
+def _pack_values(values: Sequence[int | str | None]) -> bytearray:
+    blob = bytearray()
+    for v in values:
+        if v is None:
+            blob.append(VALUE_NONE)
+        elif isinstance(v, int):
+            blob.append(VALUE_INT)
+            blob += (v & (2**64 - 1)).to_bytes(8, "little")
+        else:
+            blob.append(VALUE_STR)
+            raw = v.encode("utf-8", "surrogateescape")
+            blob += b"\0\0"
+            at = len(blob)
+            blob += raw
+            blob[at - 2 : at] = len(raw).to_bytes(2, "little")
+    return blob
+
+
+def parse_probe_hit(payload: Sequence[int]) -> tuple[int, int, list[int | str | None]]:
+    """(time_ns, ip, values) of a PROBE_HIT payload; ints come back signed."""
+    time_ns, ip, n = (int(w) for w in payload[:PROBE_HIT_FIXED])
+    blob = unpack_bytes(payload[PROBE_HIT_FIXED:], n)
+    values: list[int | str | None] = []
+    i = 0
+    while i < len(blob):
+        tag = blob[i]
+        i += 1
+        if tag == VALUE_INT:
+            values.append(int.from_bytes(blob[i : i + 8], "little", signed=True))
+            i += 8
+        elif tag == VALUE_STR:
+            k = int.from_bytes(blob[i : i + 2], "little")
+            values.append(blob[i + 2 : i + 2 + k].decode("utf-8", "surrogateescape"))
+            i += 2 + k
+        else:
+            values.append(None)
+    return time_ns, ip, values
 
 
 def c_writer_source() -> str:
