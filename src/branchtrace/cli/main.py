@@ -29,8 +29,9 @@ _raw_args: list[str] = []
 
 
 def raw_args() -> list[str]:
-    """The command line as given (where `--` was, which click does not tell)."""
-    return _raw_args
+    """The command line as given (where `--` was, which click does not tell).  Run as
+    `python -m`, this module is loaded twice and only `__main__` saw main()'s argument."""
+    return _raw_args or sys.argv[1:]
 
 
 class LazyGroup(click.Group):

@@ -195,12 +195,12 @@ class UprobeEngine:
             poller.register(r.fd, select.POLLIN)
         try:
             while True:
+                stopping = stop.is_set()
                 ended = _ended(child, pid, result)
-                if stop.is_set():
-                    result.detached = child is None or not ended
                 poller.poll(50)
                 decoder.drain(rings)
-                if ended or stop.is_set():
+                if ended or stopping:
+                    result.detached = not ended
                     break
         finally:
             for r in rings:

@@ -673,6 +673,8 @@ class _Session:
                         self.result.signal = os.WTERMSIG(status)
                     else:
                         self.result.exit_code = os.WEXITSTATUS(status)
+                    if self.child is not None:  # reaped here, not by Popen
+                        self.child.returncode = os.waitstatus_to_exitcode(status)
                     return
             else:
                 if not self.stopping and self.stop.is_set():
