@@ -14,12 +14,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import branchtrace
 from branchtrace.engines.base import Target
 from branchtrace.probes.base import Hit
 from branchtrace.probes.hitstore import read_hits
 from branchtrace.probes.spec import ARG_REGISTERS, ProbeSpecError, Resolver, parse
 from branchtrace.probes.uprobe import UprobeEngine
 from branchtrace.probes.xol import XolEngine
+from branchtrace.store.format import BranchKind
 from branchtrace.store.tracedir import TraceDir
 from branchtrace.symbols.elf import ElfImage
 
@@ -319,3 +321,35 @@ def test_hit_lines_are_readable(programs):
     ]  # fmt: skip
     times = [float(line[0]) for line in lines]
     assert times == sorted(times)
+
+
+# -- record --trigger ----------------------------------------------------------------------------
+
+
+def test_trigger_snapshots_end_at_the_triggering_call(tmp_path, programs):
+    out = tmp_path / "trace"
+    program = programs["loop23"]
+    r = bt("record", "-o", str(out), "--trigger", "f", "--snapshots", "3", "--", str(program))
+    assert r.returncode == 0, r.stderr
+    assert "3 trigger snapshot(s)" in r.stderr
+    shots = sorted((out / "snapshots").iterdir(), key=lambda p: int(p.name))
+    assert [p.name for p in shots] == ["1", "2", "3"]
+    f = ElfImage(program).functions["f"]
+    for k, shot in enumerate(shots, start=1):
+        trace = branchtrace.open(shot)
+        (tid,) = trace.threads
+        assert trace.meta["snapshot"]["trigger"] == "f"
+        b = trace.branches(tid)
+        to_f = b["to"] - b["to"][-1] + f  # file addresses, whatever the load base
+        # the k-th snapshot holds the k calls of f so far, and ends with the k-th
+        assert int(((to_f == f) & (b["kind"] == BranchKind.CALL)).sum()) == k
+        assert b["kind"][-1] == BranchKind.CALL
+    info = bt("info", str(shots[0]))
+    assert "snapshot taken when thread" in info.stdout and "reached f" in info.stdout
+
+
+def test_trigger_needs_wrap_mode_and_a_known_function(programs):
+    r = bt("record", "--mode", "stream", "--trigger", "f", "--", str(programs["loop23"]))
+    assert r.returncode == 2 and "--trigger snapshots the wrap buffer" in r.stderr
+    r = bt("record", "--trigger", "nosuch", "--", str(programs["loop23"]))
+    assert r.returncode == 2 and "no function 'nosuch'" in r.stderr

@@ -21,6 +21,8 @@ from ..store.tracedir import META, TraceDir
 def find_stores(path: Path) -> list[Path]:
     if path.is_dir():
         stores = sorted(path.glob("*.bts"))
+        if not stores and (path / META).is_file() and any(path.glob("T*.stream")):
+            return []  # a trigger snapshot: streams only, counted from meta below
         if not stores:
             raise StoreError(
                 f"{path}: no trace stores (*.bts) in this directory",
@@ -104,6 +106,8 @@ def _ending(meta: dict[str, Any]) -> str:
         return "detached, left running"
     if "ppid" in meta:  # a forked child's entry
         return "ended"
+    if "snapshot" in meta:
+        return "running when this snapshot was taken"
     if "ended_ns" not in meta:
         return "recording did not finish (the recorder was killed); rings recovered below"
     return "ended"
@@ -128,6 +132,12 @@ def info(path: Path, as_json: bool) -> None:
     if meta is not None:
         what = " ".join(meta.get("argv") or []) or f"pid {meta.get('pid')}"
         out.print(f"{what}  (pid {meta.get('pid')}): {_ending(meta)}", markup=False)
+        shot = meta.get("snapshot")
+        if shot:
+            out.print(
+                f"snapshot taken when thread {shot['tid']} reached {shot['trigger']}",
+                markup=False,
+            )
         total = sum(meta["records_per_thread"].values())
         for i, probe in enumerate(meta.get("probes") or []):
             per_tid = (meta.get("hits") or {}).get(str(i), {})

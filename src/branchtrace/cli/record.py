@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -11,7 +12,8 @@ import click
 from rich.console import Console
 
 from ..engines import RecordOptions, RecordResult, Target
-from ..engines.stalker import StalkerEngine
+from ..engines.base import Trigger
+from ..engines.stalker import StalkerEngine, resolve_program
 from ..engines.step import StepEngine
 from ..errors import UsageError
 from ..store import Mode, parse_size
@@ -68,6 +70,30 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     )
 
 
+def _triggers(
+    specs: tuple[str, ...], command: tuple[str, ...], pid: int | None, mode: str, engine: str
+) -> tuple[Trigger, ...]:
+    """--trigger SPECs resolved against the program's files."""
+    if not specs:
+        return ()
+    if mode != "wrap" or engine != "stalker":
+        raise UsageError(
+            "--trigger snapshots the wrap buffer of the stalker engine",
+            hint="use --mode wrap (the default) and --engine stalker",
+        )
+    from ..probes.spec import Resolver, parse
+
+    program = resolve_program(command[0]) if command else Path(os.readlink(f"/proc/{pid}/exe"))
+    resolver = Resolver(program, pid)
+    out = []
+    for text in specs:
+        point = resolver.resolve(parse(text))
+        if point.spec.fetches or point.is_return:
+            raise UsageError(f"--trigger {text}: a trigger is a code location, with no values")
+        out.append(Trigger(point.label, str(point.path), point.vaddr - point.first_vaddr))
+    return tuple(out)
+
+
 output_option = click.option(
     "-o",
     "--output",
@@ -114,6 +140,21 @@ output_option = click.option(
     is_flag=True,
     help="also trace the child processes the program forks (each thread into DIR)",
 )
+@click.option(
+    "--trigger",
+    "triggers",
+    multiple=True,
+    metavar="SPEC",
+    help="snapshot the wrap buffers when SPEC (func, func+0xOFF, lib:func, file.c:LINE) "
+    "runs, into DIR/snapshots/N; may repeat",
+)
+@click.option(
+    "--snapshots",
+    type=click.IntRange(1),
+    default=10,
+    show_default=True,
+    help="at most this many trigger snapshots",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def record(
     output: Path,
@@ -124,6 +165,8 @@ def record(
     sched: bool,
     engine: str,
     follow_fork: bool,
+    triggers: tuple[str, ...],
+    snapshots: int,
     command: tuple[str, ...],
 ) -> None:
     """Record the branch trace of COMMAND (after --) or of a running process (-p PID).
@@ -136,7 +179,10 @@ def record(
             "give a program to run (after --) or -p PID, not both",
             hint="branchtrace record -- ./prog args, or branchtrace record -p 1234",
         )
+    resolved = _triggers(triggers, command, pid, mode, engine)
     options = RecordOptions(
+        triggers=resolved,
+        snapshots=snapshots,
         output=output,
         mode=Mode[mode.upper()],
         buffer_size=parse_size(buffer_size),
@@ -157,6 +203,13 @@ def record(
         for s, handler in previous.items():
             signal.signal(s, handler)
     print_summary(result, command[0] if command else f"pid {pid}", sched)
+    if result.snapshots:
+        err.print(
+            f"branchtrace: {len(result.snapshots)} trigger snapshot(s): "
+            f"{result.snapshots[0].parent}/1..{len(result.snapshots)} "
+            f"(e.g. branchtrace show {result.snapshots[0]})",
+            markup=False,
+        )
     if result.signal is not None:
         sys.exit(128 + result.signal)
     sys.exit(result.exit_code or 0)

@@ -20,6 +20,15 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Trigger:
+    """A code address whose execution snapshots the wrap buffers (`record --trigger`)."""
+
+    label: str
+    path: str  #: the module's file
+    offset: int  #: from the module's load base
+
+
+@dataclass(frozen=True)
 class RecordOptions:
     output: Path = Path("branchtrace.data")
     mode: Mode = Mode.WRAP
@@ -27,6 +36,8 @@ class RecordOptions:
     duration: float | None = None  #: seconds; None: until the program ends or stop is set
     sched: bool = False  #: also record context switches (perf software events)
     follow_fork: bool = False  #: trace the children the program forks, too
+    triggers: tuple[Trigger, ...] = ()
+    snapshots: int = 10  #: at most this many trigger snapshots
 
 
 @dataclass
@@ -47,6 +58,7 @@ class RecordResult:
     signal: int | None = None  #: the signal that killed it, if one did
     detached: bool = False  #: we let go of a process that is still running
     warnings: list[str] = field(default_factory=list)
+    snapshots: list[Path] = field(default_factory=list)  #: --trigger snapshot directories
     #: --follow-fork: how each traced child ended: ppid, exit_code / signal / detached
     processes: dict[int, dict[str, object]] = field(default_factory=dict)
 

@@ -37,7 +37,7 @@ from ..errors import (
 from ..store import Flags, Mode, Ring, RingReader
 from ..store.format import GapReason, c_writer_source
 from ..store.records import count_records
-from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
+from ..store.tracedir import META, MODULES, SNAPSHOTS, ModuleEvent, TraceDir, drain_to_file
 from .base import (
     Events,
     RecordOptions,
@@ -211,6 +211,7 @@ class _Recording:
         self.thread_pid: dict[int, int] = {}  #: the process of each traced thread
         #: threads started at code in no module (Frida's own): left alone, listed in meta
         self.untraced_threads: list[dict[str, Any]] = []
+        self.snapshots: list[Path] = []  #: --trigger snapshot directories, in order
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self._done = threading.Event()
@@ -223,6 +224,8 @@ class _Recording:
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
             "spawn": spawn,
+            "triggers": [t.__dict__ for t in self.options.triggers],
+            "snapshots": self.options.snapshots,
         }
         agent.script = session.create_script(agent_script(params))
         agent.script.on("message", lambda message, data: self.on_message(agent, message))
@@ -300,6 +303,12 @@ class _Recording:
                     agent.pid,
                 )
             )
+        elif kind == "trigger":
+            tid = int(payload["tid"])
+            try:
+                self.snapshot(self.options.triggers[int(payload["index"])].label, tid, agent.pid)
+            finally:
+                agent.script.post({"type": f"snapshot:{tid}"})
         elif kind == "thread-untraced":
             self.untraced_threads.append(
                 {"pid": agent.pid, "tid": int(payload["tid"]), "start": payload["routine"]}
@@ -308,6 +317,31 @@ class _Recording:
             agent.errors.append(str(payload.get("message")))
             self._error(str(payload.get("message")))
             agent.ready.set()
+
+    def snapshot(self, label: str, tid: int, pid: int) -> None:
+        """Copy the tail of every thread's ring into snapshots/N: the triggering thread waits
+        meanwhile, so its part ends exactly at the trigger."""
+        when = time.time_ns()
+        out = self.tracedir.path / SNAPSHOTS / str(len(self.snapshots) + 1)
+        out.mkdir(parents=True)
+        with self.lock:
+            rings = [(t, ring) for t, (ring, _, _) in self.rings.items()]
+            pids = dict(self.thread_pid)
+        for t, ring in rings:
+            words, _ = RingReader(ring).read_words(live=True)
+            words.tofile(out / f"T{t}.stream")
+        modules = self.tracedir.path / MODULES
+        if modules.exists():
+            shutil.copyfile(modules, out / MODULES)
+        meta = self.tracedir.meta() if (self.tracedir.path / META).exists() else {}
+        meta.update(
+            {
+                "snapshot": {"trigger": label, "tid": tid, "pid": pid, "time_ns": when},
+                "threads": {str(t): {"pid": pids.get(t, pid)} for t, _ in rings},
+            }
+        )
+        TraceDir(out).write_meta(meta)
+        self.snapshots.append(out)
 
     def _error(self, message: str) -> None:
         if message not in self.errors:
@@ -504,6 +538,7 @@ class StalkerEngine:
                     rec.finish()
                 tracedir.remove()
         result.warnings += rec.errors
+        result.snapshots = list(rec.snapshots)
         untraced: dict[str, int] = {}
         for stats in result.threads.values():
             for reason, n in stats.gaps.items():

@@ -1,7 +1,7 @@
 'use strict';
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
-// PARAMS is prepended by the host: {cSource, mainRing, spawn}.
+// PARAMS is prepended by the host: {cSource, mainRing, spawn, triggers, snapshots}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Asked once per compiled block (never per execution): blocks of Frida's own code, such as
@@ -149,6 +149,26 @@ if (PARAMS.spawn) {
       },
     });
   }
+}
+
+// record --trigger: the thread that reaches a trigger waits while the host copies the rings,
+// so its snapshot ends exactly there.
+let snapshotsLeft = PARAMS.snapshots;
+for (const [index, trigger] of PARAMS.triggers.entries()) {
+  const module = Process.enumerateModules().find((m) => m.path === trigger.path);
+  if (module === undefined) {
+    send({ type: 'error', message: `trigger ${trigger.label}: ${trigger.path} is not loaded` });
+    continue;
+  }
+  Interceptor.attach(module.base.add(trigger.offset), {
+    onEnter() {
+      if (!tracing || snapshotsLeft <= 0 || !inTracedProcess()) return;
+      snapshotsLeft -= 1;
+      const tid = Process.getCurrentThreadId();
+      send({ type: 'trigger', index, tid });
+      recv(`snapshot:${tid}`, () => {}).wait();
+    },
+  });
 }
 
 rpc.exports = {

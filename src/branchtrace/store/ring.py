@@ -360,7 +360,7 @@ def _validate_header(path: Path, raw: bytes, file_size: int) -> int:
     return total
 
 
-def recovered_head(ring: Ring) -> int:
+def recovered_head(ring: Ring, *, live: bool = False) -> int:
     """data_head, extended over records written past it in the claimed chunk.
 
     An inline writer publishes data_head lazily and any writer can die between writing a
@@ -368,10 +368,16 @@ def recovered_head(ring: Ring) -> int:
     data_head up to the first zero word (chunks are zeroed when claimed, and a record's
     header is written last) are whole records, and are recovered.  If they do not parse,
     nothing is recovered: a torn record is never returned.
+
+    `live`: recover from a writer that is alive too (a snapshot while the thread waits, or
+    keeps running: BLOCK records are single aligned words and an escape record's header is
+    written last, so the words before the first zero are still whole records).
     """
     head = ring.head
     claim = ring._get("claim_end")
-    if claim <= head or ring.writer_state == WriterState.CLOSED or ring.writer_alive():
+    if claim <= head or ring.writer_state == WriterState.CLOSED:
+        return head
+    if ring.writer_alive() and not live:
         return head
     at = (head & (ring.data_size - 1)) // WORD
     words = ring._data[at : at + (claim - head) // WORD]
@@ -637,14 +643,15 @@ class RingReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_words(self, *, start: int | None = None) -> tuple[np.ndarray, int]:
+    def read_words(self, *, start: int | None = None, live: bool = False) -> tuple[np.ndarray, int]:
         """Copy the valid words: returns (words, stream position of words[0]).
 
         Start defaults to the oldest valid record (max of data_tail and the owner's
         clear position).  Records the writer overwrote during the copy are dropped.
+        `live`: include what a live writer wrote but has not published (see recovered_head).
         """
         ring = self.ring
-        head = recovered_head(ring)
+        head = recovered_head(ring, live=live)
         tail = max(ring.tail, ring._get("clear_pos"))
         if start is not None:
             tail = max(tail, start)

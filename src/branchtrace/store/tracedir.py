@@ -26,7 +26,8 @@ from .ring import Ring, RingReader, recovered_head
 
 META = "meta.json"
 MODULES = "modules.jsonl"
-_OURS = (META, MODULES)
+SNAPSHOTS = "snapshots"  #: `record --trigger`: one sub-directory per snapshot
+_OURS = (META, MODULES, SNAPSHOTS)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,10 @@ class TraceDir:
                     hint="choose another output with -o",
                 )
             for e in entries:
-                e.unlink()
+                if e.is_dir():
+                    shutil.rmtree(e)
+                else:
+                    e.unlink()
         try:
             path.mkdir(parents=True, exist_ok=True)
             probe = path / ".write-test"
@@ -141,7 +145,9 @@ class TraceDir:
         return int(pid) if pid else int(meta.get("pid") or 0)
 
     def threads(self) -> list[int]:
-        return sorted(int(p.stem[1:]) for p in self.path.glob("T*.bts"))
+        found = {p.name.split(".")[0] for p in self.path.glob("T*.bts")}
+        found |= {p.name.split(".")[0] for p in self.path.glob("T*.stream")}
+        return sorted(int(name[1:]) for name in found)
 
     def words(self, tid: int) -> tuple[np.ndarray, int]:
         """The thread's whole record stream as words, and the stream position of the first.
@@ -150,6 +156,8 @@ class TraceDir:
         """
         parts: list[np.ndarray] = []
         stream = self.stream_path(tid)
+        if not self.ring_path(tid).exists():  # a snapshot: the words alone
+            return np.fromfile(stream, dtype="<u8"), 0
         with Ring.open(self.ring_path(tid)) as ring:
             rest, pos = RingReader(ring).read_words()
         if stream.exists() and stream.stat().st_size:
