@@ -21,7 +21,12 @@ from branchtrace.probes.hitstore import read_hits
 from branchtrace.probes.spec import ARG_REGISTERS, ProbeSpecError, Resolver, parse
 from branchtrace.probes.uprobe import UprobeEngine
 from branchtrace.probes.xol import XolEngine
-from branchtrace.store.format import BranchKind
+from branchtrace.store.format import (
+    MAX_RING_PAYLOAD,
+    BranchKind,
+    parse_probe_hit,
+    probe_hit_payload,
+)
 from branchtrace.store.tracedir import TraceDir
 from branchtrace.symbols.elf import ElfImage
 
@@ -353,3 +358,19 @@ def test_trigger_needs_wrap_mode_and_a_known_function(programs):
     assert r.returncode == 2 and "--trigger snapshots the wrap buffer" in r.stderr
     r = bt("record", "--trigger", "nosuch", "--", str(programs["loop23"]))
     assert r.returncode == 2 and "no function 'nosuch'" in r.stderr
+
+
+_value = st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=40))
+
+
+@given(time_ns=st.integers(0, 2**62), ip=st.integers(0, 2**47), values=st.lists(_value, max_size=8))
+def test_probe_hit_payload_round_trip(time_ns, ip, values):
+    payload = probe_hit_payload(time_ns, ip, values)
+    assert len(payload) <= MAX_RING_PAYLOAD and all(w >> 63 == 0 for w in payload)
+    t, i, back = parse_probe_hit(payload)
+    assert (t, i, len(back)) == (time_ns, ip, len(values))
+    for v, b in zip(values, back, strict=True):
+        if isinstance(v, str):  # long strings are cut to fit, never changed otherwise
+            assert isinstance(b, str) and v.startswith(b)
+        else:
+            assert b == v

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,9 +51,11 @@ class ProbeEngine(Protocol):
     ) -> ProbeResult: ...
 
 
-def fetch_value(
-    f: Fetch, regs: Mapping[str, int], read: Callable[[int, int], bytes | None]
-) -> Value:
+class Registers(Protocol):
+    def __getitem__(self, name: str, /) -> int: ...
+
+
+def fetch_value(f: Fetch, regs: Registers, read: Callable[[int, int], bytes | None]) -> Value:
     """One value at a hit: `regs` are the thread's registers there, `read(addr, n)` reads
     its memory (None if unreadable)."""
     if f.source == "mem":

@@ -103,7 +103,8 @@ def read_hits(words: np.ndarray, tid: int, probes: list[dict[str, Any]]) -> list
         probe = probes[head & 0xFFFFFFFFFF]
         payload = unpayload(w[i + 1 : i + 1 + n]).tolist()
         time_ns, ip, values = parse_probe_hit(payload)
-        retval = values.pop() if probe["return"] else None
+        last = values.pop() if probe["return"] else None
+        retval = last if isinstance(last, int) else None
         args: dict[str, int | str | None] = {}
         for v, f in zip(values, probe["values"], strict=False):
             if isinstance(v, int) and f["kind"] in ("u", "x"):
