@@ -24,8 +24,8 @@ from conftest import build  # noqa: E402  (the tests' cached gcc build)
 
 FRIDA_JS = """
 let hits = 0, total = 0;
-Interceptor.attach(Process.mainModule.getExportByName('probed') ||
-                   DebugSymbol.fromName('probed').address, {
+const probed = Process.mainModule.enumerateSymbols().find((s) => s.name === 'probed');
+Interceptor.attach(probed.address, {
   onEnter(args) { hits++; total += args[0].toInt32() + args[1].toInt32(); },
 });
 Interceptor.attach(Module.getGlobalExportByName('_exit'), {
@@ -74,6 +74,9 @@ def run_frida(program: Path, calls: int) -> tuple[float, int]:
     script = session.create_script(FRIDA_JS)
 
     def on_message(message: dict, data: object) -> None:
+        if message.get("type") == "error":
+            print(f"Frida peer: {message.get('description')}", file=sys.stderr)
+            done.set()
         if message.get("type") == "send":
             got.update(message["payload"])
             script.post({"type": "ack"})
