@@ -61,6 +61,7 @@ _ptrace.restype = ctypes.c_long
 
 PTRACE_TRACEME, PTRACE_CONT, PTRACE_SINGLESTEP = 0, 7, 9
 PTRACE_GETREGS, PTRACE_SETREGS, PTRACE_DETACH = 12, 13, 17
+PTRACE_GETSIGINFO, _SI_KERNEL = 0x4202, 0x80
 PTRACE_SETOPTIONS, PTRACE_GETEVENTMSG, PTRACE_SEIZE, PTRACE_INTERRUPT = (
     0x4200,
     0x4201,
@@ -110,6 +111,14 @@ def _getregs(tid: int) -> Regs:
 
 def _setregs(tid: int, regs: Regs) -> None:
     _call(PTRACE_SETREGS, tid, 0, ctypes.addressof(regs))
+
+
+def _trap_code(tid: int) -> int:
+    """si_code of the SIGTRAP the thread stopped with: TRAP_TRACE after a single step,
+    SI_KERNEL after an int3 (an instruction of one byte leaves rip the same either way)."""
+    info = ctypes.create_string_buffer(128)
+    _call(PTRACE_GETSIGINFO, tid, 0, ctypes.addressof(info))
+    return int.from_bytes(info.raw[8:12], "little", signed=True)
 
 
 def _traceme() -> None:
@@ -642,6 +651,13 @@ class _Session:
         finally:
             with self.lock:
                 self.done = True
+            threads = {tid for per_tid in self.result.hits.values() for tid in per_tid}
+            if self.displaced == "inline" and len(threads) > 1:
+                self.result.warnings.append(
+                    f"--inline-step with {len(threads)} threads: while one thread stepped the "
+                    "original instruction, others could run through the probe unseen; the "
+                    "counts can be low (use the default out-of-line mode)"
+                )
             if self.mem_fd >= 0:
                 os.close(self.mem_fd)
         return self.result
@@ -827,7 +843,7 @@ class _Session:
         task.stepping = None
         regs = _getregs(task.tid)
         if site.how == "inline":
-            if regs.rip == site.address + 1 and self.read(site.address, 1) == b"\xcc":
+            if _trap_code(task.tid) == _SI_KERNEL:
                 # another thread put the breakpoint back before this one stepped: step again
                 self.write(site.address, site.original[:1])
                 regs.rip = site.address
