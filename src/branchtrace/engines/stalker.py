@@ -707,7 +707,16 @@ class StalkerEngine:
         if options.follow_fork:
             forks = _ForkFollower(device, rec, ExitWatcher())
             forks.watch(session)
-        agent.script.exports_sync.follow_all(paths)
+        try:
+            agent.script.exports_sync.follow_all(paths)
+        except frida.InvalidOperationError as e:  # seen once under heavy load, with forks
+            if forks is not None:
+                forks.close()
+                forks.watcher.close()
+            raise EngineUnavailableError(
+                f"the agent in pid {pid} went away while tracing started ({e})",
+                hint="try again",
+            ) from None
         deadline = None if options.duration is None else time.monotonic() + options.duration
         while not stop.is_set() and not gone.is_set():
             if deadline is not None and time.monotonic() > deadline:
