@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -374,3 +375,32 @@ def test_probe_hit_payload_round_trip(time_ns, ip, values):
             assert isinstance(b, str) and v.startswith(b)
         else:
             assert b == v
+
+
+def test_ctrl_c_on_an_attached_process_removes_the_probes(programs):
+    program = programs["spin"]
+    spin = subprocess.Popen([str(program)], stdout=subprocess.PIPE, text=True)
+    assert spin.stdout is not None
+    spin.stdout.readline()
+    before = _maps(spin.pid)
+    tool = subprocess.Popen(
+        [*BT, "probe", "--engine", "xol", "f(arg1)", "f%return", "-p", str(spin.pid)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert tool.stdout is not None
+    first = tool.stdout.readline()  # hits flow: the probes are in (spin runs for 3 s)
+    assert " f(arg1=" in first or " f%return" in first
+    tool.send_signal(signal.SIGINT)
+    _, err = tool.communicate(timeout=60)
+    assert tool.returncode == 0, err
+    assert "detached from pid" in err
+    image = ElfImage(program)
+    base = int(before[0].split("-")[0], 16)
+    with open(f"/proc/{spin.pid}/mem", "rb") as mem:
+        mem.seek(base + image.functions["f"])
+        assert mem.read(32) == image.read(image.functions["f"], 32)
+    assert _maps(spin.pid) == before
+    out, _ = spin.communicate(timeout=30)
+    assert spin.returncode == 0 and out.strip() == str(sum(range(1500)))

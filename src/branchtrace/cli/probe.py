@@ -209,6 +209,7 @@ class _Printer:
         self.quiet = quiet
         self.start = start
         self.lines: list[str] = []
+        self.flushed = time.monotonic()
 
     def __call__(self, hit: Hit) -> None:
         if self.quiet:
@@ -236,8 +237,10 @@ class _Printer:
             if point.is_return:
                 line += f" = {hit.retval}"
             self.lines.append(line)
-        if len(self.lines) >= 4096:
+        now = time.monotonic()
+        if len(self.lines) >= 4096 or now - self.flushed > 0.1:
             self.flush()
+            self.flushed = now
 
     def flush(self) -> None:
         if self.lines:
