@@ -19,6 +19,7 @@ from ..engines.stalker import resolve_program
 from ..errors import NoSuchProcessError, PermissionDeniedError, UsageError
 from ..probes.base import Hit, ProbeEngine, ProbeResult, format_value
 from ..probes.hitstore import RING_SIZE as HIT_RING_SIZE
+from ..probes.hitstore import HitWriter
 from ..probes.spec import ProbePoint, Resolver, parse
 from ..probes.uprobe import UprobeEngine
 from ..probes.uprobe import available as uprobe_unavailable
@@ -131,8 +132,6 @@ def probe(
     chosen, why = choose_engine(engine, "inline" if inline_step else displaced, points)
     writer = None
     if output is not None:
-        from ..probes.hitstore import HitWriter
-
         writer = HitWriter(output, points)
     start = time.monotonic_ns()
     printer = _Printer(points, as_json, quiet, start)
@@ -250,7 +249,7 @@ class _Printer:
 
 
 def _summary(
-    points: list[ProbePoint], result: ProbeResult, what: str, writer: object | None
+    points: list[ProbePoint], result: ProbeResult, what: str, writer: HitWriter | None
 ) -> None:
     for w in result.warnings:
         err.print(f"branchtrace: warning: {w}", markup=False)
@@ -263,7 +262,7 @@ def _summary(
         table.add_row(point.label, f"{sum(per_tid.values()):,}", str(len(per_tid)))
     err.print(table)
     lost = f", {result.lost:,} hits lost (kernel ring full)" if result.lost else ", 0 lost"
-    saved = f" -> {writer.tracedir.path}" if writer is not None else ""  # type: ignore[attr-defined]
+    saved = f" -> {writer.tracedir.path}" if writer is not None else ""
     ending = _ending(what, result.exit_code, result.signal, result.detached)
     err.print(f"branchtrace: {ending}{lost}{saved}", markup=False)
 

@@ -18,7 +18,6 @@ import ctypes
 import dataclasses
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from ..store import Flags, Mode, Ring, RingReader, RingWriter
 from ..store.format import BLOCK_ADDR_MASK, BLOCK_OFF_MASK, BranchKind, RecordType, block_word
 from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
 from ..x86 import NOT_A_BRANCH, classify
+from . import ptrace as pt
 from .base import (
     Events,
     RecordOptions,
@@ -43,40 +43,8 @@ from .base import (
 )
 from .stalker import resolve_program
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_ptrace = _libc.ptrace
-_ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-_ptrace.restype = ctypes.c_long
-
-PTRACE_TRACEME, PTRACE_PEEKTEXT, PTRACE_PEEKUSER, PTRACE_POKETEXT = 0, 1, 3, 4
-PTRACE_CONT, PTRACE_SINGLESTEP, PTRACE_GETREGS, PTRACE_SETREGS = 7, 9, 12, 13
-PTRACE_SETOPTIONS, PTRACE_GETEVENTMSG = 0x4200, 0x4201
-PTRACE_O_TRACECLONE, PTRACE_O_TRACEEXEC, PTRACE_O_EXITKILL = 0x8, 0x10, 0x100000
-PTRACE_EVENT_CLONE, PTRACE_EVENT_EXEC = 3, 4
-_WALL = 0x40000000
-_RIP = 16 * 8  #: offsetof(struct user_regs_struct, rip)
 _FLUSH = 4096  #: BLOCK words buffered per thread before they go into its ring
 _FAULTS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
-
-
-_REGISTERS = "r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags"
-_REGISTERS += " rsp ss fs_base gs_base ds es fs gs"  # struct user_regs_struct, in order
-
-
-class _Regs(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_ulonglong) for name in _REGISTERS.split()]
-
-
-def _call(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
-    ctypes.set_errno(0)
-    r = _ptrace(request, tid, ctypes.c_void_p(addr), ctypes.c_void_p(data))
-    if r == -1 and ctypes.get_errno():
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-    return int(r)
-
-
-def _traceme() -> None:
-    _ptrace(PTRACE_TRACEME, 0, None, None)
 
 
 class _Thread:
@@ -170,20 +138,14 @@ class StepEngine:
         tracedir = TraceDir.create(options.output)
         meta = start_meta(self.name, options, target.argv, str(program))
         try:
-            child = subprocess.Popen(
-                [str(program), *target.argv[1:]], preexec_fn=_traceme, close_fds=True
-            )
-        except OSError as e:
+            child = pt.spawn_stopped(program, target.argv)
+        except LaunchError:
             tracedir.remove()
-            raise LaunchError(f"{target.argv[0]}: cannot start: {e.strerror}") from None
+            raise
         pid = child.pid
         meta["pid"] = pid
         tracedir.write_meta(meta)
-        _, status = os.waitpid(pid, _WALL)  # stopped at exec
-        if not os.WIFSTOPPED(status):
-            tracedir.remove()
-            raise LaunchError(f"{target.argv[0]}: ended before it could be traced")
-        _call(PTRACE_SETOPTIONS, pid, 0, PTRACE_O_TRACECLONE | PTRACE_O_EXITKILL)
+        pt.call(pt.PTRACE_SETOPTIONS, pid, 0, pt.O_TRACECLONE | pt.O_EXITKILL)
         session = _Session(pid, program, tracedir, options, stop)
         events.started(
             f"recording {target.argv[0]} (pid {pid}) from main with the step engine "
@@ -293,17 +255,16 @@ class _Session:
 
     def run_to(self, address: int) -> None:
         """Run the stopped process natively up to `address` (an int3 there)."""
-        word = _call(PTRACE_PEEKTEXT, self.pid, address) & (2**64 - 1)
-        _call(PTRACE_POKETEXT, self.pid, address, (word & ~0xFF) | 0xCC)
-        _call(PTRACE_CONT, self.pid)
-        _, status = os.waitpid(self.pid, _WALL)
+        word = pt.call(pt.PTRACE_PEEKTEXT, self.pid, address) & (2**64 - 1)
+        pt.call(pt.PTRACE_POKETEXT, self.pid, address, (word & ~0xFF) | 0xCC)
+        pt.call(pt.PTRACE_CONT, self.pid)
+        _, status = os.waitpid(self.pid, pt.WALL)
         if not os.WIFSTOPPED(status) or os.WSTOPSIG(status) != signal.SIGTRAP:
             raise LaunchError("the program ended before reaching main")
-        _call(PTRACE_POKETEXT, self.pid, address, word)
-        regs = _Regs()
-        _call(PTRACE_GETREGS, self.pid, 0, ctypes.addressof(regs))
+        pt.call(pt.PTRACE_POKETEXT, self.pid, address, word)
+        regs = pt.getregs(self.pid)
         regs.rip = address
-        _call(PTRACE_SETREGS, self.pid, 0, ctypes.addressof(regs))
+        pt.setregs(self.pid, regs)
         self._read_modules()
         self._thread(self.pid).start(address)
 
@@ -314,7 +275,7 @@ class _Session:
 
     def step_all(self) -> int:
         """Single-step every thread until the process ends; its wait status."""
-        _call(PTRACE_SINGLESTEP, self.pid)
+        pt.call(pt.PTRACE_SINGLESTEP, self.pid)
         delivering: set[int] = set()
         while True:
             if self.stop.is_set():
@@ -322,7 +283,7 @@ class _Session:
                     with contextlib.suppress(OSError):
                         os.kill(tid, signal.SIGKILL)
                 self.stop.clear()
-            tid, status = os.waitpid(-1, _WALL)
+            tid, status = os.waitpid(-1, pt.WALL)
             if os.WIFEXITED(status) or os.WIFSIGNALED(status):
                 t = self.threads.pop(tid, None)
                 if t is not None:
@@ -332,12 +293,12 @@ class _Session:
                 continue
             sig = os.WSTOPSIG(status)
             t = self._thread(tid)
-            rip = _call(PTRACE_PEEKUSER, tid, _RIP) & (2**64 - 1)
+            rip = pt.call(pt.PTRACE_PEEKUSER, tid, pt.RIP_OFFSET) & (2**64 - 1)
             inject = 0
             if status >> 16:  # a ptrace event (clone) stop: nothing ran
-                if status >> 16 == PTRACE_EVENT_CLONE:
+                if status >> 16 == pt.EVENT_CLONE:
                     msg = ctypes.c_ulong()
-                    _call(PTRACE_GETEVENTMSG, tid, 0, ctypes.addressof(msg))
+                    pt.call(pt.PTRACE_GETEVENTMSG, tid, 0, ctypes.addressof(msg))
                     self._thread(int(msg.value))
             elif t.at is None:  # a new thread's first stop
                 t.start(rip)
@@ -353,7 +314,7 @@ class _Session:
                 self._delivered(t, rip)
             else:
                 self._stepped(t, rip)
-            _call(PTRACE_SINGLESTEP, tid, 0, inject)
+            pt.call(pt.PTRACE_SINGLESTEP, tid, 0, inject)
 
     def _stepped(self, t: _Thread, rip: int) -> None:
         """The thread executed the instruction at `t.at` and stopped at `rip`."""

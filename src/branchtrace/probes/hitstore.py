@@ -32,10 +32,9 @@ class HitWriter:
     """Writes every hit into DIR: a stream-mode ring per thread, drained to its file as it
     fills, so nothing is dropped."""
 
-    def __init__(self, output: Path, points: list[ProbePoint], addresses: list[int] | None = None):
+    def __init__(self, output: Path, points: list[ProbePoint]) -> None:
         self.tracedir = TraceDir.create(output)
         self.points = points
-        self.addresses = addresses or [p.vaddr for p in points]
         self.threads: dict[int, tuple[Ring, RingWriter, RingReader, int]] = {}
         self.written = 0
 
@@ -50,7 +49,7 @@ class HitWriter:
             t = self.threads[hit.tid] = (ring, RingWriter(ring), RingReader(ring, consume=True), fd)
         ring, writer, reader, fd = t
         values = list(hit.values) if hit.retval is None else [*hit.values, hit.retval]
-        payload = probe_hit_payload(hit.time_ns, self.addresses[hit.probe], values)
+        payload = probe_hit_payload(hit.time_ns, self.points[hit.probe].vaddr, values)
         if ring.head - ring.tail > RING_SIZE // 2:
             drain_to_file(reader, fd)
         writer.write(RecordType.PROBE_HIT, hit.probe, *payload)

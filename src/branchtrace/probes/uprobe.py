@@ -34,12 +34,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ..engines import ptrace as pt
 from ..engines.base import Target
 from ..engines.stalker import resolve_program
 from ..errors import (
     AlreadyTracedError,
     EngineUnavailableError,
-    LaunchError,
     NoSuchProcessError,
     PermissionDeniedError,
 )
@@ -67,7 +67,6 @@ PERF_REGS = {
     "rip": 8, **{f"r{i}": 8 + i for i in range(8, 16)},
 }  # fmt: skip
 _MAX_STACK = 65528
-_SYS_MMAP, _SYS_MUNMAP = 9, 11
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -140,17 +139,8 @@ class UprobeEngine:
             if not Path(f"/proc/{pid}").is_dir():
                 raise NoSuchProcessError(f"no process with pid {pid}")
         else:
-            program = resolve_program(target.argv[0])
-            try:
-                child = subprocess.Popen(
-                    [str(program), *target.argv[1:]], preexec_fn=_traceme, close_fds=True
-                )
-            except OSError as e:
-                raise LaunchError(f"{target.argv[0]}: cannot start: {e.strerror}") from None
-            pid = child.pid
-            _, status = os.waitpid(pid, 0x40000000)  # stopped at exec: nothing ran yet
-            if not os.WIFSTOPPED(status):
-                raise LaunchError(f"{target.argv[0]}: ended before it could be probed")
+            child = pt.spawn_stopped(resolve_program(target.argv[0]), target.argv)
+            pid = child.pid  # stopped at exec: nothing ran yet
         result = ProbeResult(pid)
         rings: list[_Ring] = []
         cpus = os.cpu_count() or 1
@@ -169,7 +159,7 @@ class UprobeEngine:
                 child.wait()
             raise
         if child is not None:
-            _libc.ptrace(17, pid, None, None)  # PTRACE_DETACH: it runs, probed by the kernel
+            pt.call(pt.PTRACE_DETACH, pid)  # it runs, probed by the kernel
         what = f"process {pid}" if target.pid is not None else f"{target.argv[0]} (pid {pid})"
         raised = _raise_sample_rate()
         note = f", {SAMPLE_RATE.name} raised to {_RATE_NEEDED} for the run" if raised else ""
@@ -232,10 +222,6 @@ def _restore_sample_rate(old: int | None) -> None:
     if old is not None:
         with contextlib.suppress(OSError):
             SAMPLE_RATE.write_text(str(old))
-
-
-def _traceme() -> None:
-    _libc.ptrace(0, 0, None, None)
 
 
 def _ended(child: subprocess.Popen[bytes] | None, pid: int, result: ProbeResult) -> bool:

@@ -42,6 +42,7 @@ from pathlib import Path
 from capstone import CS_ARCH_X86, CS_MODE_64, CS_OP_IMM, CS_OP_MEM, CS_OP_REG, Cs
 from capstone import x86 as cx86
 
+from ..engines import ptrace as pt
 from ..engines.base import Target
 from ..engines.stalker import resolve_program
 from ..errors import (
@@ -54,24 +55,8 @@ from ..errors import (
 from .base import Hit, ProbeResult, fetch_value
 from .spec import ProbePoint, ProbeSpecError
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_ptrace = _libc.ptrace
-_ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-_ptrace.restype = ctypes.c_long
-
-PTRACE_TRACEME, PTRACE_CONT, PTRACE_SINGLESTEP = 0, 7, 9
-PTRACE_GETREGS, PTRACE_SETREGS, PTRACE_DETACH = 12, 13, 17
-PTRACE_GETSIGINFO, _SI_KERNEL = 0x4202, 0x80
-PTRACE_SETOPTIONS, PTRACE_GETEVENTMSG, PTRACE_SEIZE, PTRACE_INTERRUPT = (
-    0x4200,
-    0x4201,
-    0x4206,
-    0x4207,
-)
-O_TRACECLONE, O_TRACEEXEC, O_TRACEFORK, O_TRACEVFORK = 0x8, 0x10, 0x2, 0x4
-EVENT_FORK, EVENT_VFORK, EVENT_CLONE, EVENT_EXEC, EVENT_STOP = 1, 2, 3, 4, 128
-_OPTIONS = O_TRACECLONE | O_TRACEEXEC | O_TRACEFORK | O_TRACEVFORK
-_WALL = 0x40000000
+_CHILD_KIND = {pt.EVENT_CLONE: "thread", pt.EVENT_FORK: "fork", pt.EVENT_VFORK: "vfork"}
+_OPTIONS = pt.O_TRACECLONE | pt.O_TRACEEXEC | pt.O_TRACEFORK | pt.O_TRACEVFORK
 _SYS_MMAP, _SYS_MUNMAP = 9, 11
 _PROT_RX = 0x1 | 0x4
 _MAP_PRIVATE_ANON_NOREPLACE = 0x02 | 0x20 | 0x100000
@@ -79,50 +64,7 @@ _XOL_PAGE = 4096
 _SLOT = 32  #: bytes per slot: an instruction (<= 15) and a 5-byte jump back
 _REACH = (1 << 31) - (1 << 20)  #: how far an XOL page may be from the code it serves
 
-_REGISTERS = "r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags"
-_REGISTERS += " rsp ss fs_base gs_base ds es fs gs"  # struct user_regs_struct, in order
-
 DISPLACED = ("auto", "boost", "step", "inline")
-
-
-class Regs(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_ulonglong) for name in _REGISTERS.split()]
-
-    def get(self, name: str) -> int:
-        return int(getattr(self, name))
-
-    def __getitem__(self, name: str) -> int:
-        return int(getattr(self, name))
-
-
-def _call(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
-    ctypes.set_errno(0)
-    r = _ptrace(request, tid, ctypes.c_void_p(addr), ctypes.c_void_p(data))
-    if r == -1 and ctypes.get_errno():
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-    return int(r)
-
-
-def _getregs(tid: int) -> Regs:
-    regs = Regs()
-    _call(PTRACE_GETREGS, tid, 0, ctypes.addressof(regs))
-    return regs
-
-
-def _setregs(tid: int, regs: Regs) -> None:
-    _call(PTRACE_SETREGS, tid, 0, ctypes.addressof(regs))
-
-
-def _trap_code(tid: int) -> int:
-    """si_code of the SIGTRAP the thread stopped with: TRAP_TRACE after a single step,
-    SI_KERNEL after an int3 (an instruction of one byte leaves rip the same either way)."""
-    info = ctypes.create_string_buffer(128)
-    _call(PTRACE_GETSIGINFO, tid, 0, ctypes.addressof(info))
-    return int.from_bytes(info.raw[8:12], "little", signed=True)
-
-
-def _traceme() -> None:
-    _ptrace(PTRACE_TRACEME, 0, None, None)
 
 
 # -- instructions --------------------------------------------------------------------------------
@@ -176,7 +118,7 @@ class _Site:
     size: int
     how: str  #: 'emulate', 'boost', 'step', 'inline'
     emulate: (
-        Callable[[Regs, Callable[[int, int], bytes | None], Callable[[int, bytes], None]], None]
+        Callable[[pt.Regs, Callable[[int, int], bytes | None], Callable[[int, bytes], None]], None]
         | None
     ) = None
     slot: int = 0
@@ -197,7 +139,7 @@ def _analyze(code: bytes, address: int, displaced: str) -> tuple[str, Callable |
     m = insn.mnemonic
     ops = insn.operands
 
-    def operand_value(op: object, regs: Regs, read: Callable[[int, int], bytes | None]) -> int:
+    def operand_value(op: object, regs: pt.Regs, read: Callable[[int, int], bytes | None]) -> int:
         if op.type == CS_OP_IMM:  # type: ignore[attr-defined]
             return int(op.imm) & (2**64 - 1)  # type: ignore[attr-defined]
         if op.type == CS_OP_REG:  # type: ignore[attr-defined]
@@ -222,7 +164,7 @@ def _analyze(code: bytes, address: int, displaced: str) -> tuple[str, Callable |
     if m in ("call", "jmp") and ops and ops[0].type in (CS_OP_IMM, CS_OP_REG, CS_OP_MEM):
         op = ops[0]
 
-        def transfer(regs: Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
+        def transfer(regs: pt.Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
             target = operand_value(op, regs, read)
             if m == "call":
                 regs.rsp -= 8
@@ -233,7 +175,7 @@ def _analyze(code: bytes, address: int, displaced: str) -> tuple[str, Callable |
     if m in ("ret", "retq"):
         pop = int(ops[0].imm) if ops else 0
 
-        def ret(regs: Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
+        def ret(regs: pt.Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
             raw = read(regs.rsp, 8)
             if raw is None:
                 raise OSError(f"cannot read the return address at {regs.rsp:#x}")
@@ -245,7 +187,7 @@ def _analyze(code: bytes, address: int, displaced: str) -> tuple[str, Callable |
     if cond is not None or m in ("jrcxz", "jecxz", "loop", "loope", "loopne"):
         target = int(ops[0].imm)
 
-        def jcc(regs: Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
+        def jcc(regs: pt.Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
             if cond is not None:
                 taken = cond(regs.eflags)
             elif m.startswith("j"):
@@ -277,7 +219,7 @@ def _simple_emulation(insn: object, nxt: int) -> Callable | None:  # type: ignor
     m, ops = insn.mnemonic, insn.operands  # type: ignore[attr-defined]
     if m in ("nop", "endbr64") or (m == "xchg" and insn.op_str in ("ax, ax",)):  # type: ignore[attr-defined]
 
-        def skip(regs: Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
+        def skip(regs: pt.Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
             regs.rip = nxt
 
         return skip
@@ -285,7 +227,7 @@ def _simple_emulation(insn: object, nxt: int) -> Callable | None:  # type: ignor
         reg = insn.reg_name(ops[0].reg)  # type: ignore[attr-defined]
         if reg in _GPR64:
 
-            def push(regs: Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
+            def push(regs: pt.Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
                 value = regs.get(reg)
                 regs.rsp -= 8
                 write(regs.rsp, value.to_bytes(8, "little"))
@@ -300,7 +242,7 @@ def _simple_emulation(insn: object, nxt: int) -> Callable | None:  # type: ignor
             d, s = (_GPR32[dst], _GPR32[src]) if narrow else (dst, src)
             mask = 0xFFFFFFFF if narrow else 2**64 - 1
 
-            def mov(regs: Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
+            def mov(regs: pt.Regs, read: Callable, write: Callable) -> None:  # type: ignore[type-arg]
                 setattr(regs, d, regs.get(s) & mask)
                 regs.rip = nxt
 
@@ -326,8 +268,8 @@ def _slot_code(insn: object, address: int, slot: int) -> bytes:
 def remote_syscall(tid: int, mem_fd: int, number: int, *args: int) -> int:
     """Make a thread stopped under ptrace run one system call (a `syscall` instruction
     written at its rip, then the code and registers put back); its result."""
-    saved = _getregs(tid)
-    regs = _getregs(tid)
+    saved = pt.getregs(tid)
+    regs = pt.getregs(tid)
     at = saved.rip
     code = os.pread(mem_fd, 2, at)
     os.pwrite(mem_fd, b"\x0f\x05", at)
@@ -335,24 +277,24 @@ def remote_syscall(tid: int, mem_fd: int, number: int, *args: int) -> int:
     for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
         setattr(regs, name, value & (2**64 - 1))
     regs.orig_rax = 2**64 - 1  # no syscall restart on resume
-    _setregs(tid, regs)
+    pt.setregs(tid, regs)
     signals = []
     try:
-        _call(PTRACE_SINGLESTEP, tid)
+        pt.call(pt.PTRACE_SINGLESTEP, tid)
         while True:
-            _, status = os.waitpid(tid, _WALL)
+            _, status = os.waitpid(tid, pt.WALL)
             if not os.WIFSTOPPED(status):
                 raise EngineUnavailableError("the process ended during set-up")
             if os.WSTOPSIG(status) == signal.SIGTRAP:
                 break
             signals.append(os.WSTOPSIG(status))  # delivered again once we are done
-            _call(PTRACE_SINGLESTEP, tid)
-        result = _getregs(tid).rax
+            pt.call(pt.PTRACE_SINGLESTEP, tid)
+        result = pt.getregs(tid).rax
     finally:
         os.pwrite(mem_fd, code, at)
-        _setregs(tid, saved)
+        pt.setregs(tid, saved)
     for sig in signals:
-        _libc.syscall(234, _tgid(tid), tid, sig)  # tgkill
+        pt.tgkill(_tgid(tid), tid, sig)
     return result - 2**64 if result >> 63 else result
 
 
@@ -457,18 +399,10 @@ class _Session:
 
     def spawn(self, argv: tuple[str, ...]) -> None:
         program = resolve_program(argv[0])
-        try:
-            self.child = subprocess.Popen(
-                [str(program), *argv[1:]], preexec_fn=_traceme, close_fds=True
-            )
-        except OSError as e:
-            raise LaunchError(f"{argv[0]}: cannot start: {e.strerror}") from None
+        self.child = pt.spawn_stopped(program, argv)
         self.pid = pid = self.child.pid
         self.result.pid = pid
-        _, status = os.waitpid(pid, _WALL)  # stopped at exec
-        if not os.WIFSTOPPED(status):
-            raise LaunchError(f"{argv[0]}: ended before it could be probed")
-        _call(PTRACE_SETOPTIONS, pid, 0, _OPTIONS)
+        pt.call(pt.PTRACE_SETOPTIONS, pid, 0, _OPTIONS)
         self.tasks[pid] = _Task(pid, pid, started=True)
         self.mem_fd = os.open(f"/proc/{pid}/mem", os.O_RDWR)
         try:
@@ -503,14 +437,14 @@ class _Session:
         original = self.read(address, 1)
         assert original is not None
         self.write(address, b"\xcc")
-        _call(PTRACE_CONT, tid)
-        _, status = os.waitpid(tid, _WALL)
+        pt.call(pt.PTRACE_CONT, tid)
+        _, status = os.waitpid(tid, pt.WALL)
         self.write(address, original)
         if not os.WIFSTOPPED(status) or os.WSTOPSIG(status) != signal.SIGTRAP:
             raise LaunchError("the program ended before reaching its entry point")
-        regs = _getregs(tid)
+        regs = pt.getregs(tid)
         regs.rip = address
-        _setregs(tid, regs)
+        pt.setregs(tid, regs)
 
     def attach(self, pid: int) -> None:
         if not Path(f"/proc/{pid}").is_dir():
@@ -540,8 +474,8 @@ class _Session:
             for tid in tids:
                 seen.add(tid)
                 try:
-                    _call(PTRACE_SEIZE, tid, 0, _OPTIONS)
-                    _call(PTRACE_INTERRUPT, tid)
+                    pt.call(pt.PTRACE_SEIZE, tid, 0, _OPTIONS)
+                    pt.call(pt.PTRACE_INTERRUPT, tid)
                 except OSError as e:
                     if e.errno == 1:
                         raise PermissionDeniedError(
@@ -552,16 +486,16 @@ class _Session:
         for tid in list(self.tasks):
             while True:
                 try:
-                    _, st = os.waitpid(tid, _WALL)
+                    _, st = os.waitpid(tid, pt.WALL)
                 except ChildProcessError:
                     self.tasks.pop(tid)
                     break
-                if os.WIFSTOPPED(st) and st >> 16 == EVENT_STOP:
+                if os.WIFSTOPPED(st) and st >> 16 == pt.EVENT_STOP:
                     self.tasks[tid].started = True
                     break
                 if os.WIFSTOPPED(st):  # a signal arrived first: keep it for later
-                    _call(PTRACE_CONT, tid, 0, os.WSTOPSIG(st))
-                    _call(PTRACE_INTERRUPT, tid)
+                    pt.call(pt.PTRACE_CONT, tid, 0, os.WSTOPSIG(st))
+                    pt.call(pt.PTRACE_INTERRUPT, tid)
                 else:
                     self.tasks.pop(tid)
                     break
@@ -646,7 +580,7 @@ class _Session:
         try:
             for tid, task in list(self.tasks.items()):
                 if task.started:
-                    _call(PTRACE_CONT, tid)
+                    pt.call(pt.PTRACE_CONT, tid)
             self._loop()
         finally:
             with self.lock:
@@ -672,14 +606,14 @@ class _Session:
                 return
             for task in list(self.tasks.values()):
                 self.wakers.append(task.tid)  # before the signal: the loop may see it at once
-                if _libc.syscall(234, task.pid, task.tid, signal.SIGSTOP) == 0:  # tgkill
+                if pt.tgkill(task.pid, task.tid, signal.SIGSTOP) == 0:
                     return
                 self.wakers.pop()
 
     def _loop(self) -> None:
         while True:
             try:
-                tid, status = os.waitpid(-1, _WALL)
+                tid, status = os.waitpid(-1, pt.WALL)
             except ChildProcessError:
                 return
             if os.WIFEXITED(status) or os.WIFSIGNALED(status):
@@ -718,7 +652,7 @@ class _Session:
             if task.stepping is not None:
                 self._stepped(task)
                 return
-            regs = _getregs(task.tid)
+            regs = pt.getregs(task.tid)
             at = regs.rip - 1
             site = self.sites.get(at)
             if site is not None:
@@ -746,35 +680,35 @@ class _Session:
 
     def _resume(self, task: _Task, sig: int = 0) -> None:
         with contextlib.suppress(ProcessLookupError):
-            _call(PTRACE_SINGLESTEP if task.stepping else PTRACE_CONT, task.tid, 0, sig)
+            pt.call(pt.PTRACE_SINGLESTEP if task.stepping else pt.PTRACE_CONT, task.tid, 0, sig)
 
     def _event(self, task: _Task, event: int) -> None:
-        if event in (EVENT_CLONE, EVENT_FORK, EVENT_VFORK):
+        if event in (pt.EVENT_CLONE, pt.EVENT_FORK, pt.EVENT_VFORK):
             msg = ctypes.c_ulong()
-            _call(PTRACE_GETEVENTMSG, task.tid, 0, ctypes.addressof(msg))
+            pt.call(pt.PTRACE_GETEVENTMSG, task.tid, 0, ctypes.addressof(msg))
             new = int(msg.value)
             child = self.tasks.setdefault(new, _Task(new, self.pid, kind=""))
-            child.kind = {EVENT_CLONE: "thread", EVENT_FORK: "fork", EVENT_VFORK: "vfork"}[event]
-            if event == EVENT_FORK:
+            child.kind = _CHILD_KIND[event]
+            if event == pt.EVENT_FORK:
                 child.pid = new
                 child.pending = list(task.pending)  # its stack has our return addresses too
             if self.stopping:
                 child.stop_sent = True
-                _libc.syscall(234, child.pid, new, signal.SIGSTOP)
+                pt.tgkill(child.pid, new, signal.SIGSTOP)
             if child.started:
                 self._first_stop(child)
-        elif event == EVENT_EXEC:
+        elif event == pt.EVENT_EXEC:
             if task.kind == "vfork":
                 self.tasks.pop(task.tid, None)
                 with contextlib.suppress(OSError):
-                    _call(PTRACE_DETACH, task.tid)
+                    pt.call(pt.PTRACE_DETACH, task.tid)
                 return
             self.result.warnings.append(
                 "the program called exec: its new image is not probed; probes removed"
             )
             self._let_go_after_exec()
             return
-        elif event == EVENT_STOP and self.stopping and task.stop_sent:
+        elif event == pt.EVENT_STOP and self.stopping and task.stop_sent:
             task.parked = True
             return
         self._resume(task)
@@ -793,19 +727,19 @@ class _Session:
                 os.close(fd)
         self.tasks.pop(task.tid, None)
         with contextlib.suppress(OSError):
-            _call(PTRACE_DETACH, task.tid)
+            pt.call(pt.PTRACE_DETACH, task.tid)
 
     def _let_go_after_exec(self) -> None:
         for tid in list(self.tasks):
             with contextlib.suppress(OSError):
-                _call(PTRACE_DETACH, tid)
+                pt.call(pt.PTRACE_DETACH, tid)
         self.tasks.clear()
         self.sites.clear()
         self.result.detached = self.child is None
 
     # -- hits ----------------------------------------------------------------------------------
 
-    def _hit(self, task: _Task, site: _Site, regs: Regs) -> None:
+    def _hit(self, task: _Task, site: _Site, regs: pt.Regs) -> None:
         now = time.monotonic_ns()
         for i in site.entry:
             point = self.points[i]
@@ -820,7 +754,7 @@ class _Session:
                 self.write(regs.rsp, self.trampoline.to_bytes(8, "little"))
         self._displaced(task, site, regs)
 
-    def _displaced(self, task: _Task, site: _Site, regs: Regs) -> None:
+    def _displaced(self, task: _Task, site: _Site, regs: pt.Regs) -> None:
         """Run the instruction the breakpoint displaced, then let the thread go."""
         if site.how == "emulate":
             assert site.emulate is not None
@@ -834,20 +768,20 @@ class _Session:
             self.write(site.address, site.original[:1])
             regs.rip = site.address
             task.stepping = site
-        _setregs(task.tid, regs)
+        pt.setregs(task.tid, regs)
         self._resume(task)
 
     def _stepped(self, task: _Task) -> None:
         site = task.stepping
         assert site is not None
         task.stepping = None
-        regs = _getregs(task.tid)
+        regs = pt.getregs(task.tid)
         if site.how == "inline":
-            if _trap_code(task.tid) == _SI_KERNEL:
+            if pt.trap_code(task.tid) == pt.SI_KERNEL:
                 # another thread put the breakpoint back before this one stepped: step again
                 self.write(site.address, site.original[:1])
                 regs.rip = site.address
-                _setregs(task.tid, regs)
+                pt.setregs(task.tid, regs)
                 task.stepping = site
                 self._resume(task)
                 return
@@ -855,10 +789,10 @@ class _Session:
                 self.write(site.address, b"\xcc")
         elif regs.rip == site.slot + site.size:
             regs.rip = site.address + site.size
-            _setregs(task.tid, regs)
+            pt.setregs(task.tid, regs)
         self._resume(task)
 
-    def _returned(self, task: _Task, regs: Regs) -> None:
+    def _returned(self, task: _Task, regs: pt.Regs) -> None:
         slot = regs.rsp - 8  # where the return address the trampoline replaced was
         while task.pending and task.pending[-1][0] < slot:
             task.pending.pop()  # frames a longjmp skipped
@@ -878,7 +812,7 @@ class _Session:
             self.result.count(hit)
             self.on_hit(hit)
         regs.rip = ret
-        _setregs(task.tid, regs)
+        pt.setregs(task.tid, regs)
         self._resume(task)
 
     # -- letting go ----------------------------------------------------------------------------
@@ -890,7 +824,7 @@ class _Session:
                 task.stop_sent = True
             if not task.stop_sent:
                 task.stop_sent = True
-                _libc.syscall(234, task.pid, task.tid, signal.SIGSTOP)
+                pt.tgkill(task.pid, task.tid, signal.SIGSTOP)
 
     def _all_parked(self) -> bool:
         return all(t.parked for t in self.tasks.values())
@@ -899,19 +833,19 @@ class _Session:
         pages = [p for p, _ in self.pages.values()]
         in_page = lambda a: any(p <= a < p + _XOL_PAGE for p in pages)  # noqa: E731
         for task in self.tasks.values():
-            regs = _getregs(task.tid)
+            regs = pt.getregs(task.tid)
             for _ in range(4):  # a slot holds one instruction and a jump back
                 if not in_page(regs.rip) or regs.rip == self.trampoline:
                     break
-                _call(PTRACE_SINGLESTEP, task.tid)
-                os.waitpid(task.tid, _WALL)
-                regs = _getregs(task.tid)
+                pt.call(pt.PTRACE_SINGLESTEP, task.tid)
+                os.waitpid(task.tid, pt.WALL)
+                regs = pt.getregs(task.tid)
             if task.stepping is not None and task.stepping.how == "inline":
                 task.stepping = None  # the original byte is back already
             if self.trampoline and regs.rip == self.trampoline and task.pending:
                 _, ret, _ = task.pending.pop()  # returned to the trampoline, not yet trapped
                 regs.rip = ret
-                _setregs(task.tid, regs)
+                pt.setregs(task.tid, regs)
             for slot, ret, _ in task.pending:
                 if self.read(slot, 8) == self.trampoline.to_bytes(8, "little"):
                     self.write(slot, ret.to_bytes(8, "little"))
@@ -919,11 +853,11 @@ class _Session:
         for site in self.sites.values():
             self.write(site.address, site.original[:1])
         leader = next(iter(self.tasks), None)
-        if leader is not None and all(not in_page(_getregs(t).rip) for t in self.tasks):
+        if leader is not None and all(not in_page(pt.getregs(t).rip) for t in self.tasks):
             for page in pages:
                 with contextlib.suppress(OSError):
                     self._syscall(leader, _SYS_MUNMAP, page, _XOL_PAGE)
         for tid in self.tasks:
             with contextlib.suppress(OSError):
-                _call(PTRACE_DETACH, tid)
+                pt.call(pt.PTRACE_DETACH, tid)
         self.result.detached = True

@@ -1,0 +1,89 @@
+"""ptrace through ctypes: the requests, the register file, and starting a program stopped
+at its exec (shared by the step engine and the xol and uprobe probe engines)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+from ..errors import LaunchError
+
+libc = ctypes.CDLL(None, use_errno=True)
+_ptrace = libc.ptrace
+_ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+_ptrace.restype = ctypes.c_long
+
+PTRACE_TRACEME, PTRACE_PEEKTEXT, PTRACE_PEEKUSER, PTRACE_POKETEXT = 0, 1, 3, 4
+PTRACE_CONT, PTRACE_SINGLESTEP, PTRACE_GETREGS, PTRACE_SETREGS = 7, 9, 12, 13
+PTRACE_DETACH = 17
+PTRACE_SETOPTIONS, PTRACE_GETEVENTMSG, PTRACE_GETSIGINFO = 0x4200, 0x4201, 0x4202
+PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
+O_TRACEFORK, O_TRACEVFORK, O_TRACECLONE, O_TRACEEXEC = 0x2, 0x4, 0x8, 0x10
+O_EXITKILL = 0x100000
+EVENT_FORK, EVENT_VFORK, EVENT_CLONE, EVENT_EXEC, EVENT_STOP = 1, 2, 3, 4, 128
+SI_KERNEL = 0x80  #: si_code of the SIGTRAP after an int3 (a single step gives TRAP_TRACE)
+WALL = 0x40000000  #: waitpid's __WALL: threads too
+SYS_TGKILL = 234
+
+_REGISTERS = "r15 r14 r13 r12 rbp rbx r11 r10 r9 r8 rax rcx rdx rsi rdi orig_rax rip cs eflags"
+_REGISTERS += " rsp ss fs_base gs_base ds es fs gs"  # struct user_regs_struct, in order
+RIP_OFFSET = _REGISTERS.split().index("rip") * 8  #: for PTRACE_PEEKUSER
+
+
+class Regs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_ulonglong) for name in _REGISTERS.split()]
+
+    def get(self, name: str) -> int:
+        return int(getattr(self, name))
+
+    def __getitem__(self, name: str) -> int:
+        return int(getattr(self, name))
+
+
+def call(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
+    """One ptrace request; OSError on failure."""
+    ctypes.set_errno(0)
+    r = _ptrace(request, tid, ctypes.c_void_p(addr), ctypes.c_void_p(data))
+    if r == -1 and ctypes.get_errno():
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return int(r)
+
+
+def getregs(tid: int) -> Regs:
+    regs = Regs()
+    call(PTRACE_GETREGS, tid, 0, ctypes.addressof(regs))
+    return regs
+
+
+def setregs(tid: int, regs: Regs) -> None:
+    call(PTRACE_SETREGS, tid, 0, ctypes.addressof(regs))
+
+
+def trap_code(tid: int) -> int:
+    """si_code of the SIGTRAP the thread is stopped with."""
+    info = ctypes.create_string_buffer(128)
+    call(PTRACE_GETSIGINFO, tid, 0, ctypes.addressof(info))
+    return int.from_bytes(info.raw[8:12], "little", signed=True)
+
+
+def tgkill(pid: int, tid: int, sig: int) -> int:
+    return int(libc.syscall(SYS_TGKILL, pid, tid, sig))
+
+
+def _traceme() -> None:
+    _ptrace(PTRACE_TRACEME, 0, None, None)
+
+
+def spawn_stopped(program: Path, argv: tuple[str, ...]) -> subprocess.Popen[bytes]:
+    """Start `program` with `argv[1:]`, traced and stopped at its exec: nothing of it ran."""
+    try:
+        child = subprocess.Popen([str(program), *argv[1:]], preexec_fn=_traceme, close_fds=True)
+    except OSError as e:
+        raise LaunchError(f"{argv[0]}: cannot start: {e.strerror}") from None
+    _, status = os.waitpid(child.pid, WALL)
+    if not os.WIFSTOPPED(status):
+        child.returncode = os.waitstatus_to_exitcode(status)
+        raise LaunchError(f"{argv[0]}: ended before it could be traced")
+    return child
