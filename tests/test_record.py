@@ -385,3 +385,20 @@ def test_ctrl_c_when_spawned_ends_the_program_and_keeps_the_trace(tmp_path, prog
     (tid,) = trace.threads()
     assert trace.meta()["signal"] == signal.SIGINT
     assert calls_to(trace, tid, programs["spin"], "f") > 20
+
+
+def test_an_indirect_call_site_with_40_targets_is_exact(tmp_path, programs):
+    """Stalker's inline cache is widened to 32 targets per site (stalker_agent.c); a site
+    with more still takes the slow path, and every call is recorded either way."""
+    rounds = 500
+    res = record(tmp_path / "d", "--", str(programs["dispatch"]), str(rounds))
+    assert res.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert trace.meta()["inline_cache"] == 32
+    (tid,) = trace.threads()
+    where = modules(trace, tid)
+    b = branchtrace.open(trace.path).branches(tid)
+    called = b["to"][b["kind"] == BranchKind.INDIRECT_CALL]
+    for k in range(40):
+        address = where.runtime_address(programs["dispatch"].name, f"f{10 + k}")
+        assert int((called == address).sum()) == rounds * (k % 3 + 1), k

@@ -212,6 +212,8 @@ class _Recording:
         #: threads started at code in no module (Frida's own): left alone, listed in meta
         self.untraced_threads: list[dict[str, Any]] = []
         self.snapshots: list[Path] = []  #: --trigger snapshot directories, in order
+        #: entries of Stalker's inline cache per indirect branch (stalker_agent.c)
+        self.inline_cache: int | None = None
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self._done = threading.Event()
@@ -309,6 +311,14 @@ class _Recording:
                 self.snapshot(self.options.triggers[int(payload["index"])].label, tid, agent.pid)
             finally:
                 agent.script.post({"type": f"snapshot:{tid}"})
+        elif kind == "inline-cache":
+            self.inline_cache = int(payload["entries"])
+            if self.inline_cache < 32:
+                self._error(
+                    "Stalker's inline cache stays at its default of 2 targets per indirect "
+                    "branch (this Frida's layout is not the one branchtrace knows): indirect "
+                    "calls with more targets are traced much more slowly"
+                )
         elif kind == "thread-untraced":
             self.untraced_threads.append(
                 {"pid": agent.pid, "tid": int(payload["tid"]), "start": payload["routine"]}
@@ -549,6 +559,7 @@ class StalkerEngine:
                 "follow them); GAP records mark where"
             )
         finish_meta(meta, result, rec.untraced_threads)
+        meta["inline_cache"] = rec.inline_cache
         tracedir.write_meta(meta)
         return result
 

@@ -8,9 +8,10 @@ const libc = (name) => Module.getGlobalExportByName(name);
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 8); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
+state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
 const GAP_FORK = 1;
 const forking = new Set(); // tids unfollowed around fork()
 const beforeFork = new NativeCallback(() => {
@@ -28,6 +29,9 @@ const afterFork = new NativeCallback(() => {
     Stalker.follow(tid, { transform: cm.transform, data: threads.get(tid) });
   }
 }, 'void', []);
+const inlineCache = new NativeCallback((entries) => {
+  send({ type: 'inline-cache', entries });
+}, 'void', ['int']);
 const hookedHandlers = new Set();
 const newHandler = new NativeCallback((handler) => {
   const key = handler.toString();
@@ -39,6 +43,7 @@ const newHandler = new NativeCallback((handler) => {
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
   bt_new_handler: newHandler,
+  bt_inline_cache: inlineCache,
   bt_state: state,
   bt_before_fork: beforeFork,
   bt_after_fork: afterFork,
