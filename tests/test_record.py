@@ -402,3 +402,31 @@ def test_an_indirect_call_site_with_40_targets_is_exact(tmp_path, programs):
     for k in range(40):
         address = where.runtime_address(programs["dispatch"].name, f"f{10 + k}")
         assert int((called == address).sum()) == rounds * (k % 3 + 1), k
+
+
+def test_stream_files_are_compressed_and_read_back_word_for_word(tmp_path, programs):
+    """Two recordings of the same run, packed (the default) and raw, hold the same stream:
+    the same number of words, and the same blocks once each is made relative to where its
+    module was loaded (the two runs load at different addresses)."""
+    runs = {"packed": [], "raw": ["--no-compress"]}
+    streams = {}
+    for name, flags in runs.items():
+        res = record(tmp_path / name, *flags, "--", str(programs["fib"]), "20")
+        assert res.returncode == 0, res.stderr
+        trace = TraceDir.open(tmp_path / name)
+        (tid,) = trace.threads()
+        words, _ = trace.words(tid)
+        blocks = words[words < np.uint64(1 << 63)] & np.uint64(BLOCK_ADDR_MASK)
+        where = modules(trace, tid)
+        base = where.runtime_address(programs["fib"].name, "fib")
+        in_fib = blocks[(blocks >= base) & (blocks < base + 0x1000)] - np.uint64(base)
+        streams[name] = (trace, tid, words.size, in_fib)
+        assert calls_to(trace, tid, programs["fib"], "fib") == 2 * 10946 - 1
+    packed_trace, ptid, pwords, pblocks = streams["packed"]
+    raw_trace, rtid, rwords, rblocks = streams["raw"]
+    packed_file = packed_trace.path / f"T{ptid}.stream.lz4"
+    raw_file = raw_trace.path / f"T{rtid}.stream"
+    assert packed_file.exists() and not (packed_trace.path / f"T{ptid}.stream").exists()
+    assert packed_file.stat().st_size * 4 < raw_file.stat().st_size
+    assert pwords == rwords
+    assert pblocks.size > 50_000 and np.array_equal(pblocks, rblocks)

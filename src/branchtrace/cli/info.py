@@ -21,7 +21,7 @@ from ..store.tracedir import META, TraceDir
 def find_stores(path: Path) -> list[Path]:
     if path.is_dir():
         stores = sorted(path.glob("*.bts"))
-        if not stores and (path / META).is_file() and any(path.glob("T*.stream")):
+        if not stores and (path / META).is_file() and any(path.glob("T*.stream*")):
             return []  # a trigger snapshot: streams only, counted from meta below
         if not stores:
             raise StoreError(

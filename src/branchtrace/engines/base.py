@@ -38,6 +38,7 @@ class RecordOptions:
     follow_fork: bool = False  #: trace the children the program forks, too
     triggers: tuple[Trigger, ...] = ()
     snapshots: int = 10  #: at most this many trigger snapshots
+    compress: bool = True  #: stream files LZ4-compressed (store/packed.py)
 
 
 @dataclass

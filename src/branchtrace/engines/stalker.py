@@ -2,10 +2,10 @@
 BLOCK record per executed block straight into the thread's ring (stalker_agent.c).
 
 The host creates a ring per thread in the trace directory, hands it to the agent, drains
-it to `T<tid>.stream` in stream and drop modes, and collects the exit status.  Nothing the
-program recorded depends on the agent's cooperation at the end: when the process dies
-(exit, crash, SIGKILL) its writer locks go with it and the last records are recovered
-from the rings (docs/format.md, "a late reader").
+it to `T<tid>.stream.lz4` (or raw `T<tid>.stream`) in stream and drop modes, and collects
+the exit status.  Nothing the program recorded depends on the agent's cooperation at the
+end: when the process dies (exit, crash, SIGKILL) its writer locks go with it and the last
+records are recovered from the rings (docs/format.md, "a late reader").
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ extern void *mmap(void *addr, unsigned long len, int prot, int flags, int fd, lo
 extern int munmap(void *addr, unsigned long len);
 extern int getpid(void);
 extern int clock_gettime(int clock, long *ts);
+extern void *memset(void *s, int c, unsigned long n);
 struct bt_flock { short l_type; short l_whence; long l_start; long l_len; int l_pid; };
 static void bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns) {
   long ts[2] = {timeout_ns / 1000000000L, timeout_ns % 1000000000L};
@@ -251,7 +252,7 @@ class _Recording:
             # the consumer exists before the writer: a full ring always has someone to wait for
             reader = RingReader(ring, consume=True)
             stream_fd = os.open(
-                self.tracedir.stream_path(tid),
+                self.tracedir.stream_path(tid, packed=self.options.compress),
                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
                 0o644,
             )
@@ -377,7 +378,9 @@ class _Recording:
             moved += recorder.poll()
         for tid, (_ring, reader, fd) in rings:
             if reader is not None and fd is not None:
-                nbytes, records, gaps = drain_to_file(reader, fd, final=final)
+                nbytes, records, gaps = drain_to_file(
+                    reader, fd, final=final, packed=self.options.compress
+                )
                 moved += nbytes
                 self.drained[tid] = self.drained.get(tid, 0) + records
                 for reason, count in gaps.items():

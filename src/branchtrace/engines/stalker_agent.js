@@ -49,7 +49,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_after_fork: afterFork,
   open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
   mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
-  clock_gettime: libc('clock_gettime'),
+  clock_gettime: libc('clock_gettime'), memset: libc('memset'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
 // false in a forked child that Frida's child gating keeps this script alive in

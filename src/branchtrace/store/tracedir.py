@@ -4,6 +4,7 @@
     DIR/modules.jsonl    module loads and unloads, in order (never lost to wrap-around)
     DIR/T<tid>.bts       one store per thread (docs/format.md)
     DIR/T<tid>.stream    stream mode: the words drained from that thread's ring, oldest first
+    DIR/T<tid>.stream.lz4  the same, compressed (the default; packed.py)
 
 A thread's record stream is its .stream file followed by what is left in its ring.
 """
@@ -21,6 +22,8 @@ import numpy as np
 
 from ..errors import StoreError
 from .format import HEADER_SIZE
+from .packed import SUFFIX as PACKED
+from .packed import append_packed, read_packed
 from .records import count_records
 from .ring import Ring, RingReader, recovered_head
 
@@ -87,8 +90,20 @@ class TraceDir:
     def ring_path(self, tid: int) -> Path:
         return self.path / f"T{tid}.bts"
 
-    def stream_path(self, tid: int) -> Path:
-        return self.path / f"T{tid}.stream"
+    def stream_path(self, tid: int, packed: bool = False) -> Path:
+        return self.path / f"T{tid}.stream{PACKED if packed else ''}"
+
+    def _drained(self, tid: int) -> np.ndarray | None:
+        """The words drained to the thread's stream file, packed or raw, if any."""
+        packed = self.stream_path(tid, packed=True)
+        if packed.exists():
+            return read_packed(packed)
+        raw = self.stream_path(tid)
+        if raw.exists() and raw.stat().st_size:
+            # mapped, not read: a stream of 100M+ records is gigabytes, and the page cache
+            # already holds it
+            return np.memmap(raw, dtype="<u8", mode="r")
+        return None
 
     def sched_path(self, tid: int) -> Path:
         return self.path / f"T{tid}.sched.npy"
@@ -146,7 +161,7 @@ class TraceDir:
 
     def threads(self) -> list[int]:
         found = {p.name.split(".")[0] for p in self.path.glob("T*.bts")}
-        found |= {p.name.split(".")[0] for p in self.path.glob("T*.stream")}
+        found |= {p.name.split(".")[0] for p in self.path.glob("T*.stream*")}
         return sorted(int(name[1:]) for name in found)
 
     def words(self, tid: int) -> tuple[np.ndarray, int]:
@@ -155,19 +170,16 @@ class TraceDir:
         Stream mode: the drained words, then the ring's rest.  Wrap mode: the ring's tail.
         """
         parts: list[np.ndarray] = []
-        stream = self.stream_path(tid)
+        drained = self._drained(tid)
         if not self.ring_path(tid).exists():  # a snapshot: the words alone
-            return np.fromfile(stream, dtype="<u8"), 0
+            return (np.zeros(0, dtype="<u8") if drained is None else drained), 0
         with Ring.open(self.ring_path(tid)) as ring:
             rest, pos = RingReader(ring).read_words()
-        if stream.exists() and stream.stat().st_size:
-            # mapped, not read: a stream of 100M+ records is gigabytes, and the page cache
-            # already holds it
-            drained = np.memmap(stream, dtype="<u8", mode="r")
+        if drained is not None and drained.size:
             if pos != drained.size * 8:
                 raise StoreError(
-                    f"{stream}: holds {drained.size * 8} bytes but the ring continues at "
-                    f"position {pos}: the recording is incomplete"
+                    f"{self.stream_path(tid)}: holds {drained.size * 8} bytes but the ring "
+                    f"continues at position {pos}: the recording is incomplete"
                 )
             parts.append(drained)
             pos = 0
@@ -180,18 +192,19 @@ def _is_ours(name: str) -> bool:
     return (
         name in _OURS
         or name.startswith(".")
-        or (name.startswith("T") and name.endswith((".bts", ".stream", ".sched.npy")))
+        or (name.startswith("T") and name.endswith((".bts", ".stream", PACKED, ".sched.npy")))
     )
 
 
 def drain_to_file(
-    reader: RingReader, fd: int, *, final: bool = False
+    reader: RingReader, fd: int, *, final: bool = False, packed: bool = False
 ) -> tuple[int, int, dict[int, int]]:
     """Append what the consumer `reader` can take from its ring to `fd`, straight from the
     shared mapping, and release it to the writer.  Returns (bytes, records, GAP records by
     reason) moved.
 
     `final`: the writer is gone; also take the records it wrote past data_head.
+    `packed`: `fd` is a packed stream file (packed.py), not raw words.
     """
     ring = reader.ring
     head = recovered_head(ring) if final else ring.head
@@ -216,9 +229,12 @@ def drain_to_file(
         view = mapping[HEADER_SIZE : HEADER_SIZE + ring.data_size]
         pieces = [view[start:end]] if end > start else [view[start:], view[:end]]
         for piece in pieces:
-            written = 0
-            while written < len(piece):
-                written += os.write(fd, piece[written:])
+            if packed:
+                append_packed(fd, piece)
+            else:
+                written = 0
+                while written < len(piece):
+                    written += os.write(fd, piece[written:])
             piece.release()
         view.release()
     reader.advance(head)
