@@ -6,6 +6,9 @@ Records two traces in stream mode (a call loop of --records blocks, and gzip of 
 file, a real program with thousands of distinct blocks and deep libc code), then times,
 on each, with the trace already in the page cache:
 
+* unpack     - reading the words back from the LZ4-packed stream file (`record`'s default;
+               recorded here with --no-compress, packed in 32 MiB drains, so that the other
+               columns time decoding alone, over mapped words)
 * scan       - raw words to the block sequence (numba: interning the distinct blocks)
 * branches   - scan + decode to {from, to, kind} (capstone once per distinct block)
 * calls      - scan + the function-call history with the shadow stack (numba)
@@ -19,6 +22,7 @@ and prints records per second for each.  The target: the symbolized call history
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -37,6 +41,7 @@ from record import FLAGS, make_gzip_input  # noqa: E402
 import branchtrace  # noqa: E402
 from branchtrace.analysis.decode import branches_of, scan  # noqa: E402
 from branchtrace.analysis.kernels import scan_blocks  # noqa: E402
+from branchtrace.store.packed import append_packed, read_packed  # noqa: E402
 from branchtrace.store.records import count_records  # noqa: E402
 
 
@@ -54,7 +59,20 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
-def measure(name: str, out: Path, repeat: int) -> dict:
+def unpack_time(words: np.ndarray, work: Path, repeat: int) -> float:
+    packed = work / "T1.stream.lz4"
+    fd = os.open(packed, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    raw = memoryview(np.ascontiguousarray(words)).cast("B")
+    for start in range(0, len(raw), 32 << 20):
+        append_packed(fd, raw[start : start + (32 << 20)])
+    os.close(fd)
+    assert np.array_equal(read_packed(packed), words)
+    elapsed = best(lambda: read_packed(packed), repeat)
+    packed.unlink()
+    return elapsed
+
+
+def measure(name: str, out: Path, work: Path, repeat: int) -> dict:
     trace = branchtrace.open(out)
     (tid,) = trace.threads[:1]
     words = trace.words(tid)
@@ -74,6 +92,7 @@ def measure(name: str, out: Path, repeat: int) -> dict:
         _ = [history.function_name(int(f)) for f in named]
 
     timings = {
+        "unpack": unpack_time(words, work, repeat),
         "scan": best(lambda: scan_blocks(words), repeat),
         "branches": best(lambda: branches_of(scan(words, modules)), repeat),
         "calls": best(lambda: fresh().calls(tid), repeat),
@@ -110,12 +129,12 @@ def main() -> None:
             out = work / "trace"
             record = [sys.executable, "-m", "branchtrace.cli.main", "record", "--mode", "stream"]
             subprocess.run(
-                [*record, "--buffer-size", "32M", "-o", str(out), "--", *argv],
+                [*record, "--no-compress", "--buffer-size", "32M", "-o", str(out), "--", *argv],
                 check=True,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            rows.append(measure(name, out, args.repeat))
+            rows.append(measure(name, out, work, args.repeat))
             shutil.rmtree(out)
         print_table(rows)
     finally:
@@ -123,7 +142,7 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["scan", "branches", "calls", "calls+sym", "stats"]
+    cols = ["unpack", "scan", "branches", "calls", "calls+sym", "stats"]
     print("records per second (millions), best of runs; one thread, trace in the page cache")
     head = f"| {'trace':<26} | {'records':>12} | {'distinct blocks':>15} | {'segments':>11} |"
     print(head + "".join(f" {c:>9} |" for c in cols))
