@@ -628,8 +628,8 @@ class StalkerEngine:
             result.processes = forks.close()
         if replaced.is_set() or pid in watcher.execs:
             result.warnings.append(
-                f"{argv[0]} called exec: the new program image was not traced "
-                "(TODO: re-instrument after exec)"
+                f"{argv[0]} called exec: the new program image was not traced (the trace "
+                "ends at the exec; record the new program by itself to trace it)"
             )
         with contextlib.suppress(Exception):
             session.detach()
