@@ -860,4 +860,9 @@ class _Session:
         for tid in self.tasks:
             with contextlib.suppress(OSError):
                 pt.call(pt.PTRACE_DETACH, tid)
+        # A SIGSTOP of ours still pending in a thread would stop the whole process once it
+        # is no longer traced (seen once in a loaded test run: the program left in state T);
+        # SIGCONT discards pending stop signals, and a running process ignores it.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
         self.result.detached = True
