@@ -51,6 +51,8 @@ from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
 CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit test
+#: targets per indirect branch in Stalker's inline cache once widened (stalker_agent.c)
+INLINE_CACHE = 32
 MIN_BUFFER = 8 * CHUNK
 
 _PRELUDE = """
@@ -71,6 +73,7 @@ extern int munmap(void *addr, unsigned long len);
 extern int getpid(void);
 extern int clock_gettime(int clock, long *ts);
 extern void *memset(void *s, int c, unsigned long n);
+#define BT_IC_ENTRIES INLINE_CACHE
 struct bt_flock { short l_type; short l_whence; long l_start; long l_len; int l_pid; };
 static void bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns) {
   long ts[2] = {timeout_ns / 1000000000L, timeout_ns % 1000000000L};
@@ -91,7 +94,8 @@ _FLAGS = {
 
 def agent_c_source() -> str:
     body = resources.files(__package__).joinpath("stalker_agent.c").read_text()
-    return _PRELUDE + c_writer_source() + body
+    prelude = _PRELUDE.replace("INLINE_CACHE", str(INLINE_CACHE))
+    return prelude + c_writer_source() + body
 
 
 def agent_script(params: dict[str, Any]) -> str:
@@ -314,7 +318,7 @@ class _Recording:
                 agent.script.post({"type": f"snapshot:{tid}"})
         elif kind == "inline-cache":
             self.inline_cache = int(payload["entries"])
-            if self.inline_cache < 32:
+            if self.inline_cache != INLINE_CACHE:
                 self._error(
                     "Stalker's inline cache stays at its default of 2 targets per indirect "
                     "branch (this Frida's layout is not the one branchtrace knows): indirect "

@@ -288,7 +288,6 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
    when the object reads back exactly as Frida 17's GumStalker: ic_entries 2 and adj_blocks 0
    right after the GObject header, followed by its fixed slab sizes.  Otherwise it stays 2 and
    the host is told (meta.json "inline_cache"). */
-#define BT_IC_ENTRIES 32
 extern void bt_inline_cache(int entries);
 
 /* Copy n bytes from addr, or fail (0) instead of faulting when they are not mapped. */

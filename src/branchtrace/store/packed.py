@@ -2,9 +2,10 @@
 
 A stream recording is bound by the bytes it writes, not by the tracing: 100M calls make
 2.4 GB of BLOCK words, and on a VM every fresh page of page cache costs a fault in the
-hypervisor too (measured here: 0.26-1.5 GB/s into tmpfs, 0.4 GB/s into ext4).  Block words
-repeat as the program loops, so LZ4 shrinks them 30-50x at ~4 GB/s, like `perf record -z`
-does with zstd.  The drain thread compresses (python-lz4 lets go of the GIL meanwhile).
+hypervisor too (measured here: 0.26-1.5 GB/s into tmpfs, 0.27-0.39 GB/s into ext4).  Block
+words repeat as the program loops, so LZ4 shrinks them ~33x at ~4 GB/s (a fib trace), like
+`perf record -z` does with zstd.  The drain thread compresses (python-lz4 lets go of the
+GIL meanwhile).
 
 The file is a sequence of pieces, one per drain, each whole records:
 
@@ -32,6 +33,13 @@ SUFFIX = ".lz4"
 MAX_PIECE = 64 << 20
 
 
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until all of `data` is written (a write may take only part of it)."""
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+
+
 def append_packed(fd: int, data: memoryview) -> int:
     """Append `data` (whole records) to the packed stream open at `fd`; bytes written."""
     written = 0
@@ -39,16 +47,14 @@ def append_packed(fd: int, data: memoryview) -> int:
         raw = data[start : start + MAX_PIECE]
         packed = lz4.block.compress(raw, mode="fast", store_size=False)
         out = PIECE.pack(len(raw), len(packed)) + packed
-        done = 0
-        while done < len(out):
-            done += os.write(fd, out[done:])
+        write_all(fd, out)
         written += len(out)
     return written
 
 
 def read_packed(path: Path) -> np.ndarray:
     """The words of a packed stream file, oldest first."""
-    blob = path.read_bytes()
+    blob = memoryview(path.read_bytes())  # slices of it are views, not copies
     pieces: list[tuple[int, int, int]] = []  # (offset of the packed bytes, raw, packed)
     off = 0
     while off + PIECE.size <= len(blob):
@@ -74,4 +80,4 @@ def read_packed(path: Path) -> np.ndarray:
     return words
 
 
-__all__ = ["SUFFIX", "append_packed", "read_packed"]
+__all__ = ["SUFFIX", "append_packed", "read_packed", "write_all"]

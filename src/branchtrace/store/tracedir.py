@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import StoreError
 from .format import HEADER_SIZE
 from .packed import SUFFIX as PACKED
-from .packed import append_packed, read_packed
+from .packed import append_packed, read_packed, write_all
 from .records import count_records
 from .ring import Ring, RingReader, recovered_head
 
@@ -232,9 +232,7 @@ def drain_to_file(
             if packed:
                 append_packed(fd, piece)
             else:
-                written = 0
-                while written < len(piece):
-                    written += os.write(fd, piece[written:])
+                write_all(fd, piece)
             piece.release()
         view.release()
     reader.advance(head)
