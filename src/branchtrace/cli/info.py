@@ -95,6 +95,8 @@ def recording_summary(path: Path) -> dict[str, Any]:
 
 
 def _ending(meta: dict[str, Any]) -> str:
+    if meta.get("untraced"):  # a forked child Frida could not trace
+        return "not traced"
     if meta.get("signal"):
         try:
             return f"killed by {signal.Signals(meta['signal']).name}"

@@ -54,6 +54,8 @@ CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit te
 #: targets per indirect branch in Stalker's inline cache once widened (stalker_agent.c)
 INLINE_CACHE = 32
 MIN_BUFFER = 8 * CHUNK
+#: seconds an agent may take to stop or detach before the host gives up on it
+AGENT_TIMEOUT = 10.0
 
 _PRELUDE = """
 #include <gum/gumstalker.h>
@@ -185,6 +187,34 @@ def _frida_error(e: Exception, what: str) -> BranchtraceError:
     if isinstance(e, frida.ExecutableNotFoundError):
         return LaunchError(f"{what}: executable not found")
     return EngineUnavailableError(f"{what}: Frida failed: {e}")
+
+
+class AgentTimeoutError(Exception):
+    """The agent did not answer in time (Frida can deadlock in a process that forks while
+    child gating is on: a lock of its own held across fork())."""
+
+
+def _bounded(call: Any, *args: Any, timeout: float = AGENT_TIMEOUT) -> Any:
+    """call(*args), or AgentTimeoutError after `timeout` s: a Frida RPC or detach has no
+    timeout of its own, and the recording must end (keeping what the rings hold) even when
+    the agent is stuck."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call(*args)))
+        except BaseException as e:  # handed to the caller's thread
+            outcome.append((False, e))
+
+    worker = threading.Thread(target=run, name="bt-agent-call", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not outcome:
+        raise AgentTimeoutError(f"no answer within {timeout:.0f} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 class _Agent:
@@ -440,6 +470,7 @@ class _ForkFollower:
         self.children: dict[int, tuple[Any, _Agent | None]] = {}  #: pid -> session, agent
         self.parents: dict[int, int] = {}
         self.ended: set[int] = set()
+        self.untraced: dict[int, str] = {}  #: children Frida could not trace, and why
         self._gating: list[Any] = []  #: sessions holding their process's new children
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Loading an agent waits for messages that Frida's dispatch thread delivers, so
@@ -473,9 +504,11 @@ class _ForkFollower:
             self.watch(session)
             ring = self.rec.add_thread(pid, pid)
             agent = self.rec.load_agent(session, pid, spawn=False, main_ring=None)
-            agent.script.exports_sync.follow_all({str(pid): str(ring)})
+            _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)})
         except Exception as e:
-            self.rec._error(f"forked child {pid} is not traced: {e}")
+            why = str(e) or type(e).__name__
+            self.untraced[pid] = why
+            self.rec._error(f"forked child {pid} is not traced: {why}")
         finally:
             self.children[pid] = (session, agent)
             with contextlib.suppress(Exception):
@@ -508,11 +541,21 @@ class _ForkFollower:
         processes = {}
         for pid, (session, agent) in self.children.items():
             ending: dict[str, Any] = {"ppid": self.parents.get(pid)}
+            if pid in self.untraced:
+                ending["untraced"] = self.untraced[pid]
             if pid in running:
-                with contextlib.suppress(Exception):
+                try:
                     if agent is not None:
-                        agent.script.exports_sync.stop()
-                    session.detach()
+                        _bounded(agent.script.exports_sync.stop)
+                    _bounded(session.detach)
+                except AgentTimeoutError:
+                    self.rec._error(
+                        f"forked child {pid}: Frida's agent in it did not answer within "
+                        f"{AGENT_TIMEOUT:.0f} s (a lock of Frida's held across fork()); its "
+                        "trace up to here is kept, the process may be left stuck"
+                    )
+                except Exception:
+                    pass  # it ended meanwhile
                 ending["detached"] = True
             else:
                 status = self.watcher.status(pid, timeout=2)
@@ -636,7 +679,7 @@ class StalkerEngine:
                 "ends at the exec; record the new program by itself to trace it)"
             )
         with contextlib.suppress(Exception):
-            session.detach()
+            _bounded(session.detach)
         result.threads = rec.finish()
         wait_status = watcher.status(pid, timeout=2) if watcher.available else None
         watcher.close()
@@ -746,11 +789,17 @@ class StalkerEngine:
             forks.watcher.close()
         if not gone.is_set():
             try:
-                far = agent.script.exports_sync.stop().get("farBlocks", 0)
+                far = _bounded(agent.script.exports_sync.stop).get("farBlocks", 0)
                 if far:
                     result.warnings.append(f"{far} blocks above 2^47 were not traced")
-                session.detach()
+                _bounded(session.detach)
                 result.detached = True
+            except AgentTimeoutError:
+                result.warnings.append(
+                    f"the agent in pid {pid} did not answer within {AGENT_TIMEOUT:.0f} s (Frida "
+                    "can deadlock when a process forks while --follow-fork holds its children); "
+                    "the trace up to here is kept, the process may be left stuck"
+                )
             except Exception as e:
                 result.warnings.append(f"detaching failed: {e}")
         result.threads = rec.finish()
