@@ -178,6 +178,22 @@ def test_follow_fork_traces_parent_and_child_exactly(tmp_path, programs, mode):
     assert meta["threads"][str(parent)]["gaps"] == {"fork": 1}
 
 
+def test_info_names_a_forked_child_that_frida_could_not_trace(tmp_path, programs):
+    res = record(tmp_path / "d", "--follow-fork", "--", str(programs["fork"]))
+    assert res.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    meta = trace.meta()
+    (ending,) = meta["processes"].values()
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert "followed 1 forked child process(es): 1 exited with status 0" in info.stdout
+    # as the recorder writes it when loading an agent into the child failed
+    ending["untraced"] = "the stalker agent failed to start: no answer from the agent"
+    trace.write_meta(meta)
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert info.returncode == 0, info.stderr
+    assert "followed 1 forked child process(es): 1 not traced" in info.stdout
+
+
 def test_follow_fork_still_traces_every_thread(tmp_path, programs):
     res = record(tmp_path / "d", "--follow-fork", "--", str(programs["threads"]))
     assert res.returncode == 0, res.stderr
