@@ -217,6 +217,14 @@ def _bounded(call: Any, *args: Any, timeout: float = AGENT_TIMEOUT) -> Any:
     return value
 
 
+def _stuck_agent(process: str) -> str:
+    return (
+        f"the agent in {process} did not answer within {AGENT_TIMEOUT:.0f} s (Frida can "
+        "deadlock when a process forks while --follow-fork holds its children); the trace up "
+        "to here is kept, the process may be left stuck"
+    )
+
+
 class _Agent:
     """The agent loaded into one process of the recording."""
 
@@ -549,11 +557,7 @@ class _ForkFollower:
                         _bounded(agent.script.exports_sync.stop)
                     _bounded(session.detach)
                 except AgentTimeoutError:
-                    self.rec._error(
-                        f"forked child {pid}: Frida's agent in it did not answer within "
-                        f"{AGENT_TIMEOUT:.0f} s (a lock of Frida's held across fork()); its "
-                        "trace up to here is kept, the process may be left stuck"
-                    )
+                    self.rec._error(_stuck_agent(f"forked child {pid}"))
                 except Exception:
                     pass  # it ended meanwhile
                 ending["detached"] = True
@@ -795,11 +799,7 @@ class StalkerEngine:
                 _bounded(session.detach)
                 result.detached = True
             except AgentTimeoutError:
-                result.warnings.append(
-                    f"the agent in pid {pid} did not answer within {AGENT_TIMEOUT:.0f} s (Frida "
-                    "can deadlock when a process forks while --follow-fork holds its children); "
-                    "the trace up to here is kept, the process may be left stuck"
-                )
+                result.warnings.append(_stuck_agent(f"pid {pid}"))
             except Exception as e:
                 result.warnings.append(f"detaching failed: {e}")
         result.threads = rec.finish()
