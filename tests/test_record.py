@@ -93,6 +93,20 @@ def test_fib_gives_the_exact_call_count(tmp_path, programs):
     assert calls_to(trace, tid, programs["fib"], "fib") == 2 * fib_n_plus_1 - 1
 
 
+def test_registers_and_flags_that_only_look_dead_are_left_alone(tmp_path, programs):
+    """The record sequence uses a register or the flags unsaved only where the block
+    provably overwrites them first; each case here would print another value otherwise."""
+    native = subprocess.run([programs["regs"]], capture_output=True, text=True, check=True)
+    assert "rax at fault 0x5eed" in native.stdout
+    res = record(tmp_path / "d", "--", str(programs["regs"]))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == native.stdout.splitlines()
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    for function in ("cmov_keeps", "carry_read", "faulting_load"):
+        assert calls_to(trace, tid, programs["regs"], function) == 1
+
+
 def test_four_threads_each_give_their_exact_count(tmp_path, programs):
     res = record(tmp_path / "d", "--", str(programs["threads"]))
     assert res.returncode == 0, res.stderr

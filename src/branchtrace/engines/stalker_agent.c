@@ -5,26 +5,43 @@
  * generated BT_* definitions and bt_writer.h, so the layout has a single definition.
  *
  * Each executed block of code costs one 8-byte BLOCK record, written by a few inline
- * instructions that Stalker compiles into the block itself:
+ * instructions that Stalker compiles into the block itself.  Most blocks overwrite a
+ * register before reading it (a mov, a pop, a load of a local), which the lookahead in
+ * dead_state() proves; such a block writes its record through that register and saves
+ * nothing (BtThread is mapped below 2 GiB so `wp` is a 32-bit absolute address):
  *
- *   lea    rsp, [rsp-128]         ; step over the red zone
+ *   mov    rcx, [wp]              ; the thread's write pointer
+ *   mov    dword [rcx], LO        ; start | (last insn offset << 47), patched in at the end
+ *   mov    dword [rcx+4], HI
+ *   lea    rcx, [rcx+8]
+ *   mov    [wp], rcx
+ *   movzx  ecx, cx                ; low 16 bits: zero exactly at a 64 KiB chunk boundary
+ *   jrcxz  slow
+ *
+ * With another dead register the check is `test r16, r16; jz slow`, allowed only when the
+ * block also sets every status flag before testing one.  Otherwise the block saves rax and
+ * rcx below the red zone and writes the same record through them, touching no flags:
+ *
+ *   lea    rsp, [rsp-128]
  *   push   rax
  *   push   rcx
- *   movabs rax, [&thread->wp]     ; the thread's write pointer
- *   mov    rcx, RECORD            ; start | (last insn offset << 47), patched in at the end
+ *   movabs rax, [&thread->wp]
+ *   mov    rcx, RECORD
  *   mov    [rax], rcx
  *   lea    rax, [rax+8]
  *   movabs [&thread->wp], rax
- *   movzx  ecx, ax                ; low 16 bits: zero exactly at a 64 KiB chunk boundary
+ *   movzx  ecx, ax
  *   jrcxz  slow
  *   ...    pop rcx, pop rax, lea rsp, [rsp+128]
  *
- * None of it touches the flags (a block may start with a jcc that reads flags set by the
- * block before), and the only branch is jrcxz.  The ring's data area is mapped 64 KiB
- * aligned, so the chunk check is the movzx.  Once per 8192 records the slow path (a Stalker
- * callout, which saves the whole CPU context) claims the next chunk through bt_writer.h:
- * waiting for the host in stream mode, moving data_tail in wrap mode, or diverting the
- * writes to a scratch chunk, counted as lost, in drop mode.
+ * (Measured: that fallback is faster in real programs than saving only rcx, or saving only
+ * rax when the flags are free, though a microbenchmark says otherwise.)  A block may start
+ * with a jcc that reads flags set by the block before, so the flags are only ever touched
+ * when proven dead.  The ring's data area is mapped 64 KiB aligned, so the chunk check is
+ * the movzx.  Once per 8192 records the slow path (a Stalker callout, which saves the whole
+ * CPU context) claims the next chunk through bt_writer.h: waiting for the host in stream
+ * mode, moving data_tail in wrap mode, or diverting the writes to a scratch chunk, counted
+ * as lost, in drop mode.
  *
  * data_head is published once per chunk.  The records after it are still found by a
  * reader once this process is gone (the OFD writer lock dies with it): see docs/format.md,
@@ -44,6 +61,8 @@ typedef struct {
   uint8_t *reserve;
   uint64_t reserve_size;
   uint64_t far_blocks;   /* blocks compiled above 2^47, which a BLOCK word cannot hold */
+  csh cs;                /* this thread's decoder for the lookahead (0: not opened yet) */
+  cs_insn *cs_insn;
 } BtThread;
 
 #define BT_MAX_THREADS 4096
@@ -121,9 +140,13 @@ static int bt_consumer_alive(struct bt_writer *w) {
 }
 
 /* Thread state lives in its own mapping, never freed: blocks Stalker compiled for a
-   thread point at it and may still run briefly after the agent is unloaded. */
+   thread point at it and may still run briefly after the agent is unloaded.  It is placed
+   below 2 GiB when it can be, so the short sequences address `wp` with a 32-bit
+   displacement from any register. */
 BtThread *bt_thread_alloc(void) {
-  uint8_t *p = mmap(NULL, 4096, 3 /* PROT_READ|WRITE */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+  uint8_t *p = mmap(NULL, 4096, 3 /* PROT_READ|WRITE */, 0x62 /* PRIVATE|ANON|32BIT */, -1, 0);
+  if (p == (uint8_t *)-1)
+    p = mmap(NULL, 4096, 3, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
   return p == (uint8_t *)-1 ? NULL : (BtThread *)p;
 }
 
@@ -325,11 +348,235 @@ static void put_bytes(GumX86Writer *cw, const uint8_t *bytes, unsigned n) {
   gum_x86_writer_put_bytes(cw, bytes, n);
 }
 
+/* The general-purpose register (0 rax .. 15 r15) that capstone register `reg` is part of,
+   or -1; *full says whether writing `reg` defines all 64 bits (a 32-bit write zero-extends,
+   an 8- or 16-bit write merges). */
+static int gpr_of(unsigned reg, int *full) {
+  static const unsigned wide[16] = {
+      X86_REG_RAX, X86_REG_RCX, X86_REG_RDX, X86_REG_RBX, X86_REG_RSP, X86_REG_RBP,
+      X86_REG_RSI, X86_REG_RDI, X86_REG_R8,  X86_REG_R9,  X86_REG_R10, X86_REG_R11,
+      X86_REG_R12, X86_REG_R13, X86_REG_R14, X86_REG_R15};
+  static const unsigned dword[16] = {
+      X86_REG_EAX, X86_REG_ECX, X86_REG_EDX,  X86_REG_EBX,  X86_REG_ESP,  X86_REG_EBP,
+      X86_REG_ESI, X86_REG_EDI, X86_REG_R8D,  X86_REG_R9D,  X86_REG_R10D, X86_REG_R11D,
+      X86_REG_R12D, X86_REG_R13D, X86_REG_R14D, X86_REG_R15D};
+  static const unsigned word[16] = {
+      X86_REG_AX, X86_REG_CX, X86_REG_DX,   X86_REG_BX,   X86_REG_SP,   X86_REG_BP,
+      X86_REG_SI, X86_REG_DI, X86_REG_R8W,  X86_REG_R9W,  X86_REG_R10W, X86_REG_R11W,
+      X86_REG_R12W, X86_REG_R13W, X86_REG_R14W, X86_REG_R15W};
+  static const unsigned byte[16] = {
+      X86_REG_AL,  X86_REG_CL,  X86_REG_DL,   X86_REG_BL,   X86_REG_SPL,  X86_REG_BPL,
+      X86_REG_SIL, X86_REG_DIL, X86_REG_R8B,  X86_REG_R9B,  X86_REG_R10B, X86_REG_R11B,
+      X86_REG_R12B, X86_REG_R13B, X86_REG_R14B, X86_REG_R15B};
+  static const unsigned high[4] = {X86_REG_AH, X86_REG_CH, X86_REG_DH, X86_REG_BH};
+  *full = 1;
+  for (int i = 0; i < 16; i++)
+    if (reg == wide[i] || reg == dword[i])
+      return i;
+  *full = 0;
+  for (int i = 0; i < 16; i++)
+    if (reg == word[i] || reg == byte[i] || (i < 4 && reg == high[i]))
+      return i;
+  return -1;
+}
+
+#define STATUS_FLAGS_TESTED                                                                \
+  (X86_EFLAGS_TEST_OF | X86_EFLAGS_TEST_SF | X86_EFLAGS_TEST_ZF | X86_EFLAGS_TEST_PF |     \
+   X86_EFLAGS_TEST_CF | X86_EFLAGS_TEST_AF)
+
+/* An instruction after which the block's own instructions may not run on in sequence: a
+   transfer, a trap, or an access that can fault (a SIGSEGV handler that resumes may read
+   any register).  Stack and rip-relative data and thread-local storage count as mapped. */
+static int ends_lookahead(csh h, const cs_insn *insn) {
+  const cs_x86 *x = &insn->detail->x86;
+  if (cs_insn_group(h, insn, CS_GRP_JUMP) || cs_insn_group(h, insn, CS_GRP_CALL) ||
+      cs_insn_group(h, insn, CS_GRP_RET) || cs_insn_group(h, insn, CS_GRP_INT) ||
+      cs_insn_group(h, insn, CS_GRP_IRET) || cs_insn_group(h, insn, CS_GRP_PRIVILEGE))
+    return 1;
+  switch (insn->id) {
+  case X86_INS_SYSCALL: case X86_INS_SYSENTER: case X86_INS_UD2: case X86_INS_HLT:
+  case X86_INS_DIV: case X86_INS_IDIV: case X86_INS_XBEGIN: case X86_INS_XABORT:
+    return 1;
+  case X86_INS_LEA: case X86_INS_NOP:
+    return 0;
+  }
+  for (int i = 0; i < x->op_count; i++) {
+    const cs_x86_op *op = &x->operands[i];
+    if (op->type != X86_OP_MEM)
+      continue;
+    if (op->mem.index != X86_REG_INVALID)
+      return 1;
+    if (op->mem.base == X86_REG_RIP || op->mem.base == X86_REG_RSP)
+      continue;
+    if (op->mem.base == X86_REG_INVALID &&
+        (op->mem.segment == X86_REG_FS || op->mem.segment == X86_REG_GS))
+      continue;
+    return 1;
+  }
+  return 0;
+}
+
+/* What the block starting at `code` leaves dead on entry: a mask of the general-purpose
+   registers it overwrites before reading them, and whether it sets every status flag before
+   testing one, both proven on the instructions that run in sequence from the start (up to
+   the first transfer or possibly faulting access).  A register or the flags found dead may
+   be used by the record sequence without being saved. */
+static uint32_t dead_state(BtThread *t, uint64_t code, int *flags_dead) {
+  *flags_dead = 0;
+  if (t->cs == 0) {
+    if (cs_open(CS_ARCH_X86, CS_MODE_64, &t->cs) != 0) {
+      t->cs = 0;
+      return 0;
+    }
+    cs_option(t->cs, CS_OPT_DETAIL, CS_OPT_ON);
+    t->cs_insn = cs_malloc(t->cs);
+  }
+  /* the block's own page is mapped (Stalker just read it); beyond it, only what can be read */
+  uint8_t buf[192];
+  uint64_t room = 4096 - (code & 4095);
+  uint64_t n = room < sizeof buf ? room : sizeof buf;
+  for (uint64_t i = 0; i < n; i++)
+    buf[i] = ((const uint8_t *)code)[i];
+  if (n < sizeof buf && read_safely((const void *)(code + n), buf + n, sizeof buf - n))
+    n = sizeof buf;
+  const uint8_t *p = buf;
+  size_t left = n;
+  uint64_t address = code;
+  uint32_t used = 0, dead = 0;
+  int flags_known = 0;
+  for (int k = 0; k < 32 && cs_disasm_iter(t->cs, &p, &left, &address, t->cs_insn); k++) {
+    const cs_insn *insn = t->cs_insn;
+    const cs_x86 *x = &insn->detail->x86;
+    cs_regs rd, wr;
+    uint8_t nrd = 0, nwr = 0;
+    if (cs_regs_access(t->cs, insn, rd, &nrd, wr, &nwr) != 0)
+      break;
+    /* xor/sub of a register with itself only writes it */
+    int idiom = (insn->id == X86_INS_XOR || insn->id == X86_INS_SUB) && x->op_count == 2 &&
+                x->operands[0].type == X86_OP_REG && x->operands[1].type == X86_OP_REG &&
+                x->operands[0].reg == x->operands[1].reg;
+    int full;
+    for (int i = 0; i < nrd; i++) {
+      int r = gpr_of(rd[i], &full);
+      if (r >= 0 && !idiom)
+        used |= 1u << r;
+      if (rd[i] == X86_REG_EFLAGS)
+        flags_known = 1;
+    }
+    if (x->eflags & STATUS_FLAGS_TESTED)
+      flags_known = 1;
+    if (ends_lookahead(t->cs, insn))
+      break;
+    /* Only these define their destination outright.  Capstone lists the destination of
+       cmov, bsf or cmpxchg as written only, though each may keep the old value. */
+    int defines = idiom;
+    switch (insn->id) {
+    case X86_INS_MOV: case X86_INS_MOVABS: case X86_INS_MOVZX: case X86_INS_MOVSX:
+    case X86_INS_MOVSXD: case X86_INS_LEA: case X86_INS_POP: case X86_INS_MOVQ:
+    case X86_INS_MOVD:
+      defines = 1;
+    }
+    for (int i = 0; i < nwr; i++) {
+      int r = gpr_of(wr[i], &full);
+      if (r < 0 || (used & (1u << r)))
+        continue;
+      if (full && defines)
+        dead |= 1u << r;
+      else
+        used |= 1u << r; /* a partial or conditional write keeps the old value */
+    }
+    if (!flags_known) {
+      switch (insn->id) {
+      case X86_INS_ADD: case X86_INS_SUB: case X86_INS_CMP: case X86_INS_NEG:
+      case X86_INS_AND: case X86_INS_OR: case X86_INS_XOR: case X86_INS_TEST:
+        *flags_dead = 1;
+        flags_known = 1;
+      }
+    }
+  }
+  return dead & ~(1u << 4 /* rsp */);
+}
+
+/* x86-64 encodings for register r (0..15) of the short sequences */
+static uint8_t rex_w(int reg, int base) { return 0x48 | ((reg >> 3) << 2) | (base >> 3); }
+
+static void put_modrm_disp8(GumX86Writer *cw, int reg, int base, uint8_t disp) {
+  uint8_t b[3] = {(uint8_t)(0x40 | ((reg & 7) << 3) | (base & 7)), 0x24, disp};
+  if ((base & 7) == 4) { /* rsp/r12 need a SIB byte */
+    put_bytes(cw, b, 3);
+  } else {
+    b[1] = disp;
+    put_bytes(cw, b, 2);
+  }
+}
+
+static void put_mov_reg_abs(GumX86Writer *cw, uint8_t opcode, int r, uint32_t address) {
+  uint8_t b[4] = {rex_w(r, 0), opcode, (uint8_t)(0x04 | ((r & 7) << 3)), 0x25};
+  put_bytes(cw, b, 4);
+  put_bytes(cw, (uint8_t *)&address, 4);
+}
+
+/* mov dword [r+disp], imm32: returns where the immediate is, to patch it in later */
+static uint8_t *put_store_imm32(GumX86Writer *cw, int r, uint8_t disp) {
+  if (r >= 8) {
+    uint8_t rex = 0x41;
+    put_bytes(cw, &rex, 1);
+  }
+  uint8_t op = 0xc7;
+  put_bytes(cw, &op, 1);
+  put_modrm_disp8(cw, 0, r, disp);
+  uint8_t *imm = gum_x86_writer_cur(cw);
+  uint32_t zero = 0;
+  put_bytes(cw, (uint8_t *)&zero, 4);
+  return imm;
+}
+
+/* The record sequence that needs no saving: register r is dead at the start of the block,
+   and so are the flags unless r is rcx (then the chunk check is jrcxz):
+     mov r, [wp]; mov dword [r], lo; mov dword [r+4], hi; lea r, [r+8]; mov [wp], r
+     movzx ecx, cx; jrcxz slow       or       test r16, r16; jz slow
+   Returns where the two immediates are. */
+static uint8_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                                 int r, uint8_t **hi) {
+  uint32_t wp32 = (uint32_t)(uint64_t)&t->wp;
+  put_mov_reg_abs(cw, 0x8b, r, wp32);
+  uint8_t *lo = put_store_imm32(cw, r, 0);
+  *hi = put_store_imm32(cw, r, 4);
+  uint8_t lea = 0x8d;
+  uint8_t rex = rex_w(r, r);
+  put_bytes(cw, &rex, 1);
+  put_bytes(cw, &lea, 1);
+  put_modrm_disp8(cw, r, r, 8);
+  put_mov_reg_abs(cw, 0x89, r, wp32);
+  if (r == 1) {
+    static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc9, 0xe3, 0x05};
+    put_bytes(cw, movzx_jrcxz, 5);
+  } else {
+    uint8_t test[5] = {0x66, (uint8_t)(0x40 | ((r >> 3) << 2) | (r >> 3)), 0x85,
+                       (uint8_t)(0xc0 | ((r & 7) << 3) | (r & 7)), 0x74};
+    if (r < 8) { /* no REX needed */
+      test[1] = 0x85;
+      test[2] = test[3];
+      test[3] = 0x74;
+      put_bytes(cw, test, 4);
+    } else {
+      put_bytes(cw, test, 5);
+    }
+    uint8_t over = 0x05; /* jz over the 5-byte jmp below */
+    put_bytes(cw, &over, 1);
+  }
+  gconstpointer done = lo;
+  gum_x86_writer_put_jmp_near_label(cw, done);
+  gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
+  gum_x86_writer_put_label(cw, done);
+  return lo;
+}
+
 void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data) {
   BtThread *t = user_data;
   GumX86Writer *cw = output->writer.x86;
   const cs_insn *insn;
-  uint8_t *record_imm = NULL;
+  uint8_t *record_imm = NULL, *record_hi = NULL;
   uint64_t start = 0, last = 0;
   uint64_t wp_addr = (uint64_t)&t->wp;
 
@@ -347,29 +594,42 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       /* TODO(LA57): only with 5-level paging; counted and reported, never silent */
       t->far_blocks++;
     } else if (first) {
-      static const uint8_t movabs_load[] = {0x48, 0xa1};
-      static const uint8_t movabs_store[] = {0x48, 0xa3};
-      static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc8, 0xe3, 0x05};
       start = insn->address;
-      gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RSP, GUM_X86_RSP, -128);
-      gum_x86_writer_put_push_reg(cw, GUM_X86_RAX);
-      gum_x86_writer_put_push_reg(cw, GUM_X86_RCX);
-      put_bytes(cw, movabs_load, 2);
-      put_bytes(cw, (uint8_t *)&wp_addr, 8);
-      record_imm = (uint8_t *)gum_x86_writer_cur(cw) + 2;
-      gum_x86_writer_put_mov_reg_u64(cw, GUM_X86_RCX, 0x1122334455667788ULL);
-      gum_x86_writer_put_mov_reg_ptr_reg(cw, GUM_X86_RAX, GUM_X86_RCX);
-      gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RAX, GUM_X86_RAX, 8);
-      put_bytes(cw, movabs_store, 2);
-      put_bytes(cw, (uint8_t *)&wp_addr, 8);
-      put_bytes(cw, movzx_jrcxz, 5); /* jrcxz over the 5-byte jmp below */
-      gconstpointer done = record_imm;
-      gum_x86_writer_put_jmp_near_label(cw, done);
-      gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
-      gum_x86_writer_put_label(cw, done);
-      gum_x86_writer_put_pop_reg(cw, GUM_X86_RCX);
-      gum_x86_writer_put_pop_reg(cw, GUM_X86_RAX);
-      gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RSP, GUM_X86_RSP, 128);
+      int flags_dead = 0;
+      uint32_t dead = wp_addr < 0x80000000u ? dead_state(t, start, &flags_dead) : 0;
+      int r = -1;
+      if (dead & (1u << 1))
+        r = 1; /* rcx: the chunk check is jrcxz, the flags stay untouched */
+      else if (flags_dead)
+        for (int i = 0; i < 16 && r < 0; i++)
+          if (dead & (1u << i))
+            r = i;
+      if (r >= 0) {
+        record_imm = put_short_record(iterator, cw, t, r, &record_hi);
+      } else {
+        static const uint8_t movabs_load[] = {0x48, 0xa1};
+        static const uint8_t movabs_store[] = {0x48, 0xa3};
+        static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc8, 0xe3, 0x05};
+        gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RSP, GUM_X86_RSP, -128);
+        gum_x86_writer_put_push_reg(cw, GUM_X86_RAX);
+        gum_x86_writer_put_push_reg(cw, GUM_X86_RCX);
+        put_bytes(cw, movabs_load, 2);
+        put_bytes(cw, (uint8_t *)&wp_addr, 8);
+        record_imm = (uint8_t *)gum_x86_writer_cur(cw) + 2;
+        gum_x86_writer_put_mov_reg_u64(cw, GUM_X86_RCX, 0x1122334455667788ULL);
+        gum_x86_writer_put_mov_reg_ptr_reg(cw, GUM_X86_RAX, GUM_X86_RCX);
+        gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RAX, GUM_X86_RAX, 8);
+        put_bytes(cw, movabs_store, 2);
+        put_bytes(cw, (uint8_t *)&wp_addr, 8);
+        put_bytes(cw, movzx_jrcxz, 5); /* jrcxz over the 5-byte jmp below */
+        gconstpointer done = record_imm;
+        gum_x86_writer_put_jmp_near_label(cw, done);
+        gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
+        gum_x86_writer_put_label(cw, done);
+        gum_x86_writer_put_pop_reg(cw, GUM_X86_RCX);
+        gum_x86_writer_put_pop_reg(cw, GUM_X86_RAX);
+        gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RSP, GUM_X86_RSP, 128);
+      }
     }
     first = 0;
     last = insn->address;
@@ -377,8 +637,13 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   }
   /* Stalker ends a block at every branch, so it spans a few dozen bytes: the offset of
      its last instruction always fits the 16 bits of a BLOCK word. */
-  if (record_imm != NULL)
-    *(uint64_t *)record_imm = start | ((last - start) << BT_BLOCK_ADDR_BITS);
+  uint64_t record = start | ((last - start) << BT_BLOCK_ADDR_BITS);
+  if (record_hi != NULL) {
+    *(uint32_t *)record_imm = (uint32_t)record;
+    *(uint32_t *)record_hi = (uint32_t)(record >> 32);
+  } else if (record_imm != NULL) {
+    *(uint64_t *)record_imm = record;
+  }
 }
 
 uint64_t bt_thread_far_blocks(BtThread *t) {
