@@ -50,6 +50,13 @@ __attribute__((noinline)) static long zero_flag_read(void) { /* sete reads ZF */
   return r;
 }
 
+__attribute__((noinline)) static long one_path_overwrites(void) { /* the taken one reads */
+  long r;
+  __asm__ volatile("mov $11, %%edi\n xor %%eax, %%eax\n jmp 1f\n1: cmp $1, %%eax\n jl 2f\n"
+                   "mov $0, %%edi\n2: mov %%rdi, %0" : "=r"(r) : : "rax", "rdi", "cc");
+  return r;
+}
+
 static sigjmp_buf recover;
 static volatile long rax_at_fault;
 
@@ -75,6 +82,7 @@ int main(void) {
   printf("carry %ld\n", carry_read());
   printf("inc %ld\n", inc_keeps_carry());
   printf("sete %ld\n", zero_flag_read());
+  printf("one path %ld\n", one_path_overwrites());
   if (sigsetjmp(recover, 1) == 0)
     faulting_load();
   printf("rax at fault %#lx\n", rax_at_fault);
