@@ -423,6 +423,8 @@ static int ends_lookahead(csh h, const cs_insn *insn) {
    be used by the record sequence without being saved. */
 static uint32_t dead_state(BtThread *t, uint64_t code, int *flags_dead) {
   *flags_dead = 0;
+  /* capstone allocates from Gum's own heap (gum.c registers it), never libc's malloc, so
+     this is safe whatever the thread was running when the block was compiled */
   if (t->cs == 0) {
     if (cs_open(CS_ARCH_X86, CS_MODE_64, &t->cs) != 0) {
       t->cs = 0;
