@@ -533,6 +533,15 @@ static uint8_t *put_store_imm32(GumX86Writer *cw, int r, uint8_t disp) {
   return imm;
 }
 
+/* After the chunk check's jrcxz/jz (which skips 5 bytes): a jmp over the callout that
+   claims the next chunk.  `label` is any address unique to this block. */
+static void put_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                          gconstpointer label) {
+  gum_x86_writer_put_jmp_near_label(cw, label);
+  gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
+  gum_x86_writer_put_label(cw, label);
+}
+
 /* The record sequence that needs no saving: register r is dead at the start of the block,
    and so are the flags unless r is rcx (then the chunk check is jrcxz):
      mov r, [wp]; mov dword [r], lo; mov dword [r+4], hi; lea r, [r+8]; mov [wp], r
@@ -554,23 +563,12 @@ static uint8_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw,
     static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc9, 0xe3, 0x05};
     put_bytes(cw, movzx_jrcxz, 5);
   } else {
-    uint8_t test[5] = {0x66, (uint8_t)(0x40 | ((r >> 3) << 2) | (r >> 3)), 0x85,
-                       (uint8_t)(0xc0 | ((r & 7) << 3) | (r & 7)), 0x74};
-    if (r < 8) { /* no REX needed */
-      test[1] = 0x85;
-      test[2] = test[3];
-      test[3] = 0x74;
-      put_bytes(cw, test, 4);
-    } else {
-      put_bytes(cw, test, 5);
-    }
-    uint8_t over = 0x05; /* jz over the 5-byte jmp below */
-    put_bytes(cw, &over, 1);
+    uint8_t test[6] = {0x66, 0x45 /* REX.RB */, 0x85, (uint8_t)(0xc0 | ((r & 7) << 3) | (r & 7)),
+                       0x74, 0x05 /* jz over the 5-byte jmp */};
+    put_bytes(cw, test, 1);
+    put_bytes(cw, test + (r < 8 ? 2 : 1), r < 8 ? 4 : 5); /* REX only for r8..r15 */
   }
-  gconstpointer done = lo;
-  gum_x86_writer_put_jmp_near_label(cw, done);
-  gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
-  gum_x86_writer_put_label(cw, done);
+  put_slow_path(iterator, cw, t, lo);
   return lo;
 }
 
@@ -624,10 +622,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
         put_bytes(cw, movabs_store, 2);
         put_bytes(cw, (uint8_t *)&wp_addr, 8);
         put_bytes(cw, movzx_jrcxz, 5); /* jrcxz over the 5-byte jmp below */
-        gconstpointer done = record_imm;
-        gum_x86_writer_put_jmp_near_label(cw, done);
-        gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
-        gum_x86_writer_put_label(cw, done);
+        put_slow_path(iterator, cw, t, record_imm);
         gum_x86_writer_put_pop_reg(cw, GUM_X86_RCX);
         gum_x86_writer_put_pop_reg(cw, GUM_X86_RAX);
         gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RSP, GUM_X86_RSP, 128);
