@@ -119,8 +119,12 @@ def test_four_threads_each_give_their_exact_count(tmp_path, programs):
 
 
 @pytest.mark.parametrize("mode", ["wrap", "stream"])
-def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode):
-    res = record(tmp_path / "d", "--", str(programs["crash"]), mode=mode)
+@pytest.mark.parametrize("ticks", [0, 300_000])
+def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode, ticks):
+    # 300,000 calls go round the smallest ring (65,536 words) several times, so the chunk
+    # the crash ends in still holds an earlier lap's words past the last record
+    size = ["--buffer-size", "512K"] if ticks else []
+    res = record(tmp_path / "d", *size, "--", str(programs["crash"]), str(ticks), mode=mode)
     assert res.returncode == 128 + signal.SIGSEGV
     assert "killed by SIGSEGV" in res.stderr
     trace = TraceDir.open(tmp_path / "d")
@@ -131,6 +135,8 @@ def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode):
     boom = modules(trace, tid).runtime_address("crash", "boom")
     assert last["type"] == RecordType.BLOCK and last["a"] == boom  # boom's only block
     assert calls_to(trace, tid, programs["crash"], "boom") == 1
+    if mode == "stream":
+        assert calls_to(trace, tid, programs["crash"], "tick") == ticks
 
 
 def test_stream_of_100m_branches_loses_nothing(tmp_path, programs):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from branchtrace import BusyError, ModeConflictError, RingWriter
 from branchtrace.store import (
@@ -133,6 +136,43 @@ def test_torn_record_past_head_is_never_returned(shm_dir):
     with Ring.open(path) as late:
         recs = RingReader(late).read()
     assert recs["a"].tolist() == list(range(1, 13))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    laps=st.integers(0, 3),
+    filled=st.integers(0, 1023),
+    new=st.integers(0, 1023),
+    far=st.booleans(),
+)
+def test_inline_pointer_ends_recovery_where_the_writer_stopped(laps, filled, new, far):
+    """An inline writer that does not zero its chunks: the words past its pointer are stale
+    records of an earlier lap, valid-looking, and must never be recovered."""
+    from branchtrace.store.ring import _WRITER_LOCK_BYTE, _ofd_unlock
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        ring = Ring.create(Path(d) / "i.bts", 64 << 10, Mode.WRAP, chunk_size=8192)
+        w = RingWriter(ring)
+        for i in range(1, laps * 8192 + filled + 1):  # earlier laps, then part of a chunk
+            w.write(RecordType.BLOCK, 0, i)
+        head, claim = ring.head, ring._get("claim_end")
+        at = (head & (ring.data_size - 1)) // 8
+        room = (claim - head) // 8
+        new = min(new, room)
+        stale = np.arange(1, room + 1, dtype=U64) + U64(0x5000_0000)
+        ring._data[at : at + room] = stale  # what an unzeroed chunk holds
+        ring._data[at : at + new] = np.arange(1, new + 1, dtype=U64) + U64(0x7000_0000)
+        base = 0x4000_0000
+        ring._set("inline_base", base)
+        # the pointer after the new words, or (far) at the writer's scratch chunk
+        ring._set("inline_ptr", 0x1000 if far else base + (head & (ring.data_size - 1)) + 8 * new)
+        _ofd_unlock(ring.fd, _WRITER_LOCK_BYTE)  # the writer dies without publishing
+        with Ring.open(ring.path) as late:
+            assert recovered_head(late) == head + (0 if far else 8 * new)
+            recs = RingReader(late).read()
+        ring.close()
+    tail = recs["a"][recs["a"] >= 0x5000_0000]
+    assert tail.tolist() == ([] if far else list(range(0x7000_0001, 0x7000_0001 + new)))
 
 
 def test_drop_mode_counts_every_lost_record_exactly(shm_dir, ring_writer):

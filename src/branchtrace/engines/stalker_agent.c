@@ -8,7 +8,9 @@
  * instructions that Stalker compiles into the block itself.  Most blocks overwrite a
  * register before reading it (a mov, a pop, a load of a local), which the lookahead in
  * dead_state() proves; such a block writes its record through that register and saves
- * nothing (BtThread is mapped below 2 GiB so `wp` is a 32-bit absolute address):
+ * nothing.  `wp`, the thread's write pointer, is the ring header's inline_ptr, in a second
+ * mapping of the header page below 2 GiB, so it is a 32-bit absolute address and a reader
+ * finds where the records end after the process died (chunks are not zeroed):
  *
  *   mov    rcx, [wp]              ; the thread's write pointer
  *   mov    dword [rcx], LO        ; start | (last insn offset << 47), patched in at the end
@@ -25,11 +27,11 @@
  *   lea    rsp, [rsp-128]
  *   push   rax
  *   push   rcx
- *   movabs rax, [&thread->wp]
+ *   movabs rax, [wp]
  *   mov    rcx, RECORD
  *   mov    [rax], rcx
  *   lea    rax, [rax+8]
- *   movabs [&thread->wp], rax
+ *   movabs [wp], rax
  *   movzx  ecx, ax
  *   jrcxz  slow
  *   ...    pop rcx, pop rax, lea rsp, [rsp+128]
@@ -49,9 +51,12 @@
  */
 
 #define BT_CHUNK 65536
+#define WP(t) (*(t)->wpp)
 
 typedef struct {
-  uint64_t wp;           /* must stay first: the inline code addresses it absolutely */
+  uint64_t *wpp;         /* the write pointer: the ring header's inline_ptr, or `wp` */
+  uint64_t wp;
+  uint8_t *header32;     /* the ring's header page mapped again below 2 GiB, or NULL */
   struct bt_writer w;
   uint8_t *scratch;      /* 64 KiB-aligned chunk that takes writes while dropping */
   int dropping;
@@ -91,14 +96,14 @@ static uint8_t *align_up(uint8_t *p, uint64_t a) {
 static uint64_t wp_position(BtThread *t) {
   uint64_t chunk_start = t->w.claim_end - BT_CHUNK;
   uint8_t *chunk_ptr = (uint8_t *)t->w.data + (chunk_start & t->w.mask);
-  return chunk_start + ((uint8_t *)t->wp - chunk_ptr);
+  return chunk_start + ((uint8_t *)WP(t) - chunk_ptr);
 }
 
 /* Point wp at a claimed chunk (or the scratch chunk when drop mode must drop). */
 static void refill(BtThread *t) {
   int ok;
   if (t->closed) {
-    t->wp = (uint64_t)t->scratch;
+    WP(t) = (uint64_t)t->scratch;
     return;
   }
   if (t->w.pending_lost)
@@ -107,7 +112,7 @@ static void refill(BtThread *t) {
     ok = bt_reserve(&t->w, 1) == 0;
   if (!ok) {
     t->dropping = 1;
-    t->wp = (uint64_t)t->scratch;
+    WP(t) = (uint64_t)t->scratch;
     return;
   }
   t->dropping = 0;
@@ -120,14 +125,14 @@ static void refill(BtThread *t) {
                          (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK};
     bt_store(&t->w, stamp, 2);
   }
-  t->wp = (uint64_t)t->w.data + (t->w.head & t->w.mask);
+  WP(t) = (uint64_t)t->w.data + (t->w.head & t->w.mask);
 }
 
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
   if (t->dropping || t->closed) {
     if (!t->closed)
-      bt_lose(&t->w, ((uint64_t)t->wp - (uint64_t)t->scratch) / 8);
+      bt_lose(&t->w, (WP(t) - (uint64_t)t->scratch) / 8);
   } else {
     t->w.head = t->w.claim_end;
   }
@@ -141,8 +146,8 @@ static int bt_consumer_alive(struct bt_writer *w) {
 
 /* Thread state lives in its own mapping, never freed: blocks Stalker compiled for a
    thread point at it and may still run briefly after the agent is unloaded.  It is placed
-   below 2 GiB when it can be, so the short sequences address `wp` with a 32-bit
-   displacement from any register. */
+   below 2 GiB when it can be, so that when the header page cannot be, `wp` is still a
+   32-bit absolute address for the short sequences. */
 BtThread *bt_thread_alloc(void) {
   uint8_t *p = mmap(NULL, 4096, 3 /* PROT_READ|WRITE */, 0x62 /* PRIVATE|ANON|32BIT */, -1, 0);
   if (p == (uint8_t *)-1)
@@ -155,8 +160,10 @@ BtThread *bt_thread_alloc(void) {
 void bt_thread_forget(BtThread *t) {
   if (t->closed)
     return;
+  if (t->header32 != NULL) /* the child's writes must not reach the parent's header */
+    mmap(t->header32, 4096, 3, 0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0);
   t->closed = 1;
-  t->wp = (uint64_t)t->scratch;
+  WP(t) = (uint64_t)t->scratch;
   close(t->w.fd);
 }
 
@@ -193,6 +200,18 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
     close(fd);
     return -22;
   }
+  /* The write pointer lives in the shared header, below 2 GiB for the short sequences, so
+     a reader finds where the records end once this process is gone without the chunks
+     being zeroed.  Failing that, in BtThread, and chunks are zeroed. */
+  t->header32 = mmap(NULL, 4096, 3, 0x41 /* SHARED|32BIT */, fd, 0);
+  if (t->header32 == (uint8_t *)-1) {
+    t->header32 = NULL;
+    t->wpp = &t->wp;
+  } else {
+    t->wpp = (uint64_t *)(t->header32 + BT_OFF_INLINE_PTR);
+    t->w.zero_chunks = 0;
+    BT_HDR64(&t->w, BT_OFF_INLINE_BASE) = (uint64_t)t->w.data;
+  }
   uint8_t *scratch_area = mmap(NULL, 2 * BT_CHUNK, 3, 0x22, -1, 0);
   t->scratch = align_up(scratch_area, BT_CHUNK);
   t->tid = tid;
@@ -213,7 +232,7 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
    took while dropping), before C code writes or publishes. */
 static void sync_head(BtThread *t) {
   if (t->dropping)
-    bt_lose(&t->w, ((uint64_t)t->wp - (uint64_t)t->scratch) / 8);
+    bt_lose(&t->w, (WP(t) - (uint64_t)t->scratch) / 8);
   else
     t->w.head = wp_position(t);
 }
@@ -224,7 +243,7 @@ void bt_thread_close(BtThread *t) {
     return;
   sync_head(t);
   t->closed = 1;
-  t->wp = (uint64_t)t->scratch;
+  WP(t) = (uint64_t)t->scratch;
   bt_writer_close(&t->w);
   close(t->w.fd); /* releases the writer lock */
 }
@@ -549,7 +568,7 @@ static void put_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThre
    Returns where the two immediates are. */
 static uint8_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
                                  int r, uint8_t **hi) {
-  uint32_t wp32 = (uint32_t)(uint64_t)&t->wp;
+  uint32_t wp32 = (uint32_t)(uint64_t)t->wpp;
   put_mov_reg_abs(cw, 0x8b, r, wp32);
   uint8_t *lo = put_store_imm32(cw, r, 0);
   *hi = put_store_imm32(cw, r, 4);
@@ -578,7 +597,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   const cs_insn *insn;
   uint8_t *record_imm = NULL, *record_hi = NULL;
   uint64_t start = 0, last = 0;
-  uint64_t wp_addr = (uint64_t)&t->wp;
+  uint64_t wp_addr = (uint64_t)t->wpp;
 
   int first = 1;
   if (in_forked_child()) { /* a forked child runs on, unrecorded */

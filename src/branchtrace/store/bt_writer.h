@@ -33,6 +33,7 @@ struct bt_writer {
   uint64_t pending_lost;
   uint32_t mode;
   int publish_each;     /* publish data_head after every record (else at chunk claims) */
+  int zero_chunks;      /* zero each claimed chunk (else the includer keeps inline_ptr) */
   int fd;               /* the store file, for bt_consumer_alive */
 };
 
@@ -54,6 +55,8 @@ static int bt_writer_init(struct bt_writer *w, void *mapping, int fd, int publis
   w->claim_end = BT_HDR64(w, BT_OFF_CLAIM_END);
   w->pending_lost = 0;
   w->publish_each = publish_each;
+  w->zero_chunks = 1;
+  BT_HDR64(w, BT_OFF_INLINE_BASE) = 0;
   /* never write into a chunk an earlier writer claimed: start at the next boundary */
   while (w->head < w->claim_end) {
     w->data[(w->head & w->mask) / 8] = BT_ESCAPE_BIT; /* PAD */
@@ -118,8 +121,11 @@ static int bt_claim(struct bt_writer *w) {
     }
   }
   /* zeroed, so that a late reader finds where the words end; libc's memset, because a
-     loop compiled by the CModule's TinyCC costs about a nanosecond per record */
-  memset(w->data + (w->head & w->mask) / 8, 0, w->chunk);
+     loop compiled by the CModule's TinyCC costs about a nanosecond per record.  An
+     includer that publishes its write pointer in inline_ptr skips this: zeroing 64 KiB
+     per 8192 records cost the stalker engine 15-25% of its recording time. */
+  if (w->zero_chunks)
+    memset(w->data + (w->head & w->mask) / 8, 0, w->chunk);
   w->claim_end = end;
   bt_barrier();
   BT_HDR64(w, BT_OFF_CLAIM_END) = end;

@@ -28,7 +28,10 @@ from enum import IntEnum, IntFlag
 import numpy as np
 
 MAGIC = b"BTSTORE\x00"
-VERSION = 1
+#: 2: an inline writer may skip zeroing chunks and publish its write pointer instead
+#: (inline_ptr, inline_base); version 1 rings read the same with those fields zero.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 HEADER_SIZE = 4096
 WORD = 8
 
@@ -140,6 +143,7 @@ HEADER_DTYPE = np.dtype(
             "data_head", "head_seq", "reader_waiting", "claim_end",
             "data_tail", "tail_seq", "writer_waiting", "clear_pos",
             "lost_records", "lost_events", "writer_waits", "meta_head", "meta_lost",
+            "inline_ptr", "inline_base",
         ],
         "formats": [
             "S8", "<u4", "<u4", "<u8", "<u8", "<u8",
@@ -148,6 +152,7 @@ HEADER_DTYPE = np.dtype(
             "<u8", "<u4", "<u4", "<u8",
             "<u8", "<u4", "<u4", "<u8",
             "<u8", "<u8", "<u8", "<u8", "<u8",
+            "<u8", "<u8",
         ],
         "offsets": [
             0, 8, 12, 16, 24, 32,
@@ -156,6 +161,7 @@ HEADER_DTYPE = np.dtype(
             _cacheline(128), 136, 140, 144,
             _cacheline(192), 200, 204, 208,
             _cacheline(256), 264, 272, 280, 288,
+            _cacheline(320), 328,
         ],
         "itemsize": HEADER_SIZE,
     }

@@ -7,13 +7,14 @@ Concurrency model (see docs/format.md for the full contract):
   the header so a second writer is told who owns the ring.
 * The writer claims the data area one chunk at a time.  No record straddles a chunk
   boundary (the writer pads with PAD words), so every chunk boundary is a record boundary.
-  Before writing into a chunk the writer zeroes it; in wrap mode it first moves data_tail
-  past the old records the chunk held.  A late reader therefore always starts at an
-  intact record, and a record that was being written when the writer died has a zero
-  header (the header word is written last) and is never returned.
+  In wrap mode it first moves data_tail past the old records the chunk held.  Then it
+  either zeroes the chunk, or (an inline writer) keeps its write pointer in the header
+  (`inline_ptr`, advanced after each record's words are stored; `inline_base` non-zero).
+  A late reader therefore always starts at an intact record and never returns a record
+  that was being written when the writer died.
 * data_head is published after every record by the Python and C writers; an inline
   writer may publish it less often, and a reader of a dead writer recovers the records
-  past data_head in the claimed chunk by scanning to the first zero word.
+  past data_head in the claimed chunk: up to `inline_ptr`, or to the first zero word.
 * stream: at a chunk boundary the writer waits until the consumer has freed a whole chunk
   (futex on `tail_seq`; the consumer gets a futex wake on `head_seq` and, if configured,
   a signal).  drop: the writer never waits; records it cannot place are counted in
@@ -53,6 +54,7 @@ from .format import (
     MAX_CHUNK_SIZE,
     MAX_RING_PAYLOAD,
     MIN_DATA_SIZE,
+    READABLE_VERSIONS,
     VERSION,
     WORD,
     Flags,
@@ -335,7 +337,7 @@ def _validate_header(path: Path, raw: bytes, file_size: int) -> int:
     h = np.frombuffer(raw, HEADER_DTYPE, count=1)[0]
     if bytes(h["magic"]) != MAGIC.rstrip(b"\0"):
         raise bad("bad magic")
-    if int(h["version"]) != VERSION:
+    if int(h["version"]) not in READABLE_VERSIONS:
         raise bad(f"format version {int(h['version'])}, this branchtrace reads {VERSION}")
     data_size, chunk = int(h["data_size"]), int(h["chunk_size"])
     meta_off, meta_size = int(h["meta_offset"]), int(h["meta_size"])
@@ -365,9 +367,11 @@ def recovered_head(ring: Ring, *, live: bool = False) -> int:
 
     An inline writer publishes data_head lazily and any writer can die between writing a
     record and publishing it.  When no writer holds the ring any more, the words after
-    data_head up to the first zero word (chunks are zeroed when claimed, and a record's
-    header is written last) are whole records, and are recovered.  If they do not parse,
-    nothing is recovered: a torn record is never returned.
+    data_head are recovered up to the inline writer's pointer (`inline_ptr`, stored after
+    each record's words, in the writer's address space relative to `inline_base`) when it
+    keeps one, else up to the first zero word (such a writer zeroes each chunk it claims
+    and writes a record's header last).  Either way they are whole records; if they do not
+    parse, nothing is recovered: a torn record is never returned.
 
     `live`: recover from a writer that is alive too (a snapshot while the thread waits, or
     keeps running: BLOCK records are single aligned words and an escape record's header is
@@ -380,9 +384,18 @@ def recovered_head(ring: Ring, *, live: bool = False) -> int:
     if ring.writer_alive() and not live:
         return head
     at = (head & (ring.data_size - 1)) // WORD
-    words = ring._data[at : at + (claim - head) // WORD]
-    zero = np.flatnonzero(words == 0)
-    n = int(zero[0]) if zero.size else words.size
+    base = ring._get("inline_base")
+    if base:  # the writer did not zero the chunk: its write pointer says where words end
+        chunk_start = claim - ring.chunk_size
+        end = chunk_start + ring._get("inline_ptr") - base - (chunk_start & (ring.data_size - 1))
+        if not head <= end <= claim:  # dropping (pointing at its scratch chunk), or closed
+            return head
+        words = ring._data[at : at + (end - head) // WORD]
+        n = words.size
+    else:
+        words = ring._data[at : at + (claim - head) // WORD]
+        zero = np.flatnonzero(words == 0)
+        n = int(zero[0]) if zero.size else words.size
     try:
         parse_words(words[:n], head)
     except CorruptStoreError:
@@ -418,6 +431,7 @@ class RingWriter:
         if self._head < self._claim_end:
             self._pad_to_boundary()
         ring._set("data_head", self._head)
+        ring._set("inline_base", 0)  # this writer zeroes the chunks it claims
         self._pending_lost = 0
         ring._set("writer_pid", os.getpid())
         ring._set("writer_state", WriterState.ACTIVE)
