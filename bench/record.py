@@ -58,6 +58,11 @@ Interceptor.attach(Module.getGlobalExportByName('_exit'), {
 """
 
 
+#: a peer run that takes longer than this many times the native run is stopped and shown
+#: as not finished (uftrace stalled for over 15 minutes on the 4-thread loop of 0.3 s)
+PEER_LIMIT = 1000
+
+
 def timed(argv: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
     t0 = time.perf_counter()
     res = subprocess.run(
@@ -77,12 +82,17 @@ def run_ours(argv: list[str], out: Path, mode: str = "stream") -> tuple[float, i
     return dt, sum(t["records"] for t in meta["threads"].values())
 
 
-def run_uftrace(argv: list[str], out: Path) -> float:
-    dt, _ = timed(["uftrace", "record", "-P", ".", "-d", str(out), *argv])
+def run_uftrace(argv: list[str], out: Path, limit: float | None = None) -> float:
+    """Seconds, or infinity if it did not finish within `limit`."""
+    try:
+        dt, _ = timed(["uftrace", "record", "-P", ".", "-d", str(out), *argv], timeout=limit)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-9", "-f", argv[0]], check=False)
+        return float("inf")
     return dt
 
 
-def run_frida_js(argv: list[str]) -> tuple[float, int]:
+def run_frida_js(argv: list[str], limit: float | None = None) -> tuple[float, int]:
     import frida
 
     device = frida.get_local_device()
@@ -107,6 +117,9 @@ def run_frida_js(argv: list[str]) -> tuple[float, int]:
                 break
         except (OSError, IndexError):
             break
+        if limit is not None and time.perf_counter() - t0 > limit:
+            device.kill(pid)
+            return float("inf"), 0
         time.sleep(0.005)
     return time.perf_counter() - t0, int(result.get("events", 0))
 
@@ -127,7 +140,7 @@ def make_gzip_input(path: Path) -> None:
     ]
     with open(path, "wb") as f:
         size = 0
-        while size < 10 << 20:
+        while size < 20 << 20:
             line = b" ".join(rng.choices(words, k=12)) + b"\n"
             f.write(line)
             size += len(line)
@@ -145,12 +158,14 @@ def main() -> None:
         make_gzip_input(gz_input)
         exe = {p.stem: build(p, FLAGS) for p in (ROOT / "bench" / "programs").glob("*.c")}
         workloads = {
-            "call loop": [str(exe["calls"]), "100000000"],
-            "fib(38)": [str(exe["fib"]), "38"],
+            # sized so that each native run takes 0.25-0.6 s: a ratio then moves by well
+            # under 1x when a tool's start-up varies by 0.1 s
+            "call loop": [str(exe["calls"]), "300000000"],
+            "fib(40)": [str(exe["fib"]), "40"],
             "qsort 2M": [str(exe["qsort"]), "2000000"],
-            "indirect calls": [str(exe["indirect"]), "60000000"],
-            "4 pthreads": [str(exe["pthreads"]), "100000000"],
-            "gzip 10 MB": [shutil.which("gzip") or "gzip", "-c", str(gz_input)],
+            "indirect calls": [str(exe["indirect"]), "200000000"],
+            "4 pthreads": [str(exe["pthreads"]), "600000000"],
+            "gzip 20 MB": [shutil.which("gzip") or "gzip", "-c", str(gz_input)],
         }
         trivial = [str(exe["fib"]), "1"]
         have_uftrace = shutil.which("uftrace") is not None and not args.no_peers
@@ -179,13 +194,15 @@ def main() -> None:
                 "records": ours_n,
                 "wrap": wrap_t,
             }
+            limit = max(PEER_LIMIT * native, 60.0)
             if have_uftrace and has_symbols(argv[0]):  # uftrace -P needs a symbol table
-                row["uftrace"] = min(
-                    run_uftrace(argv, work / "uftrace") for _ in range(args.repeat)
-                )
+                runs = [run_uftrace(argv, work / "uftrace", limit)]
+                while len(runs) < args.repeat and runs[-1] != float("inf"):
+                    runs.append(run_uftrace(argv, work / "uftrace", limit))
+                row["uftrace"] = min(runs)
             if not args.no_peers:
-                js_t, js_n = run_frida_js(argv)
-                if js_n:  # a tracer that saw nothing is not a measurement
+                js_t, js_n = run_frida_js(argv, limit)
+                if js_n or js_t == float("inf"):  # a tracer that saw nothing is no measurement
                     row["frida_js"], row["frida_js_events"] = js_t, js_n
             rows.append(row)
             print(f"... {name}: {row}", file=sys.stderr)
@@ -217,11 +234,16 @@ def print_table(rows: list[dict], startup: dict[str, float]) -> None:
                 continue
             ratio = traced(r, key) / r["native"]
             slow.setdefault(key, []).append(ratio)
+            if ratio == float("inf"):  # stopped at the limit: slower than that, counted so
+                cells.append(f"stopped | > {PEER_LIMIT}x")
+                continue
             cells.append(f"{r[key]:.2f} | {ratio:.1f}x")
             if key == "ours":
                 cells[-1] += f" | {r['records'] / traced(r, key) / 1e6:.0f}"
         rate = (
-            f"{r['frida_js_events'] / traced(r, 'frida_js') / 1e6:.1f}" if "frida_js" in r else "-"
+            f"{r['frida_js_events'] / traced(r, 'frida_js') / 1e6:.1f}"
+            if r.get("frida_js_events")
+            else "-"
         )
         print(f"| {r['workload']} | {r['native']:.2f} | " + " | ".join(cells) + f" | {rate} |")
     for key, values in slow.items():
