@@ -36,6 +36,7 @@ from ..errors import (
 )
 from ..store import Flags, Mode, Ring, RingReader
 from ..store.format import GapReason, c_writer_source
+from ..store.packed import load_dictionary_coder
 from ..store.records import count_records
 from ..store.tracedir import META, MODULES, SNAPSHOTS, ModuleEvent, TraceDir, drain_to_file
 from .base import (
@@ -241,6 +242,11 @@ class _Agent:
             raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
 
 
+def _load_coder() -> None:
+    with contextlib.suppress(Exception):  # without it drains are packed plainly: still whole
+        load_dictionary_coder()
+
+
 class _Recording:
     """The rings of one recording, their consumers, and the drain thread."""
 
@@ -260,6 +266,9 @@ class _Recording:
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self._done = threading.Event()
+        if options.compress and (options.mode != Mode.WRAP or options.sched):
+            # while the program starts; until it is loaded, drains are packed plainly
+            threading.Thread(target=_load_coder, name="bt-coder", daemon=True).start()
         self._drainer: threading.Thread | None = None
 
     def load_agent(self, session: Any, pid: int, spawn: bool, main_ring: Path | None) -> _Agent:

@@ -182,19 +182,25 @@ def parse_meta(buf: bytes | memoryview, where: str = "metadata") -> list[MetaEnt
     return entries
 
 
-def count_records(words: np.ndarray) -> tuple[int, dict[int, int]]:
+def count_records(words: np.ndarray, times: np.ndarray | None = None) -> tuple[int, dict[int, int]]:
     """How many records (PAD excluded) `words` holds, and how many GAP records of each
-    reason, without building them."""
+    reason, without building them.  `times`: each word stands for that many (the distinct
+    words of a dictionary-coded piece and how often each occurs)."""
     w = np.asarray(words, dtype=_U64)
+    total = w.size if times is None else int(np.sum(times))
     escapes = w >= ESCAPE_BIT
     if not escapes.any():  # the usual case: nothing but BLOCK words
-        return int(w.size), {}
+        return total, {}
     headers = w[escapes]
-    types = (headers >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)
-    payload = int(((headers >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).sum())
-    pads = int((types == RecordType.PAD).sum())
-    reasons, counts = np.unique(
-        headers[types == RecordType.GAP] & _U64(ARG_MASK), return_counts=True
+    weight = (
+        np.ones(headers.size, np.int64) if times is None else np.asarray(times, np.int64)[escapes]
     )
-    gaps = {int(r): int(c) for r, c in zip(reasons, counts, strict=True)}
-    return w.size - payload - pads, gaps
+    types = (headers >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)
+    lengths = ((headers >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).astype(np.int64)
+    payload = int((lengths * weight).sum())
+    pads = int(weight[types == RecordType.PAD].sum())
+    gaps: dict[int, int] = {}
+    is_gap = types == RecordType.GAP
+    for reason, count in zip(headers[is_gap] & _U64(ARG_MASK), weight[is_gap], strict=True):
+        gaps[int(reason)] = gaps.get(int(reason), 0) + int(count)
+    return total - payload - pads, gaps

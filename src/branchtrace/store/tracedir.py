@@ -219,21 +219,23 @@ def drain_to_file(
     pieces_words = (
         [words[start // 8 : end // 8]] if end > start else [words[start // 8 :], words[: end // 8]]
     )
-    records, gaps = 0, dict[int, int]()
-    for piece_words in pieces_words:
-        n, g = count_records(piece_words)
-        records += n
-        for reason, count in g.items():
-            gaps[reason] = gaps.get(reason, 0) + count
+    census: list[tuple[np.ndarray, np.ndarray | None]] = []
     with memoryview(ring._mm) as mapping:
         view = mapping[HEADER_SIZE : HEADER_SIZE + ring.data_size]
         pieces = [view[start:end]] if end > start else [view[start:], view[:end]]
-        for piece in pieces:
-            if packed:
-                append_packed(fd, piece)
+        for piece, piece_words in zip(pieces, pieces_words, strict=True):
+            if packed:  # counted from what packing found, not in another pass
+                census += append_packed(fd, piece)
             else:
                 write_all(fd, piece)
+                census.append((piece_words, None))
             piece.release()
         view.release()
+    records, gaps = 0, dict[int, int]()
+    for distinct, times in census:
+        n, g = count_records(distinct, times)
+        records += n
+        for reason, count in g.items():
+            gaps[reason] = gaps.get(reason, 0) + count
     reader.advance(head)
     return head - tail, records, gaps
