@@ -51,7 +51,7 @@ def test_show_gives_the_tail_newest_first_with_symbols_and_lines(crash_trace):
     assert newest["to_line"] == "crash.c:4"
     assert any(r["to_sym"] == "a" and r["kind"] == "call" for r in rows)
     assert any(
-        r["to_sym"] == "puts@plt" for r in jsonl(bt("show", crash_trace, "-n", "200", "--json"))
+        r["to_sym"] == "puts@plt" for r in jsonl(bt("show", crash_trace, "-n", "400", "--json"))
     )
     text = bt("show", crash_trace, "-n", "3")
     assert text.returncode == 0 and "boom crash.c:4" in text.stdout
