@@ -266,9 +266,6 @@ class _Recording:
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self._done = threading.Event()
-        if options.compress and (options.mode != Mode.WRAP or options.sched):
-            # while the program starts; until it is loaded, drains are packed plainly
-            threading.Thread(target=_load_coder, name="bt-coder", daemon=True).start()
         self._drainer: threading.Thread | None = None
 
     def load_agent(self, session: Any, pid: int, spawn: bool, main_ring: Path | None) -> _Agent:
@@ -408,6 +405,13 @@ class _Recording:
     def _error(self, message: str) -> None:
         if message not in self.errors:
             self.errors.append(message)
+
+    def start_coder(self) -> None:
+        """Load the stream files' dictionary coder in the background, once tracing has
+        started (numba's import holds the GIL for ~0.9 s; Frida's set-up should not wait on
+        it).  Until it is loaded, drains are packed plainly."""
+        if self.options.compress and (self.options.mode != Mode.WRAP or self.options.sched):
+            threading.Thread(target=_load_coder, name="bt-coder", daemon=True).start()
 
     def start_draining(self) -> None:
         if self.options.mode == Mode.WRAP and not self.options.sched:
@@ -671,6 +675,7 @@ class StalkerEngine:
             f"recording {argv[0]} (pid {pid}) from main with {_how(options, rec)}; Ctrl-C to stop"
         )
         rec.start_draining()
+        rec.start_coder()
         exited, status = _watch_child(pid)
         watcher = ExitWatcher()
         forks = None
@@ -791,6 +796,7 @@ class StalkerEngine:
                 f"the agent in pid {pid} went away while tracing started ({e})",
                 hint="try again",
             ) from None
+        rec.start_coder()
         deadline = None if options.duration is None else time.monotonic() + options.duration
         while not stop.is_set() and not gone.is_set():
             if deadline is not None and time.monotonic() > deadline:
