@@ -57,6 +57,8 @@ INLINE_CACHE = 32
 MIN_BUFFER = 8 * CHUNK
 #: seconds an agent may take to stop or detach before the host gives up on it
 AGENT_TIMEOUT = 10.0
+#: seconds of stream recording after which a drain that makes threads wait loads the coder
+CODER_AFTER = 2.0
 
 _PRELUDE = """
 #include <gum/gumstalker.h>
@@ -406,13 +408,6 @@ class _Recording:
         if message not in self.errors:
             self.errors.append(message)
 
-    def start_coder(self) -> None:
-        """Load the stream files' dictionary coder in the background, once tracing has
-        started (numba's import holds the GIL for ~0.9 s; Frida's set-up should not wait on
-        it).  Until it is loaded, drains are packed plainly."""
-        if self.options.compress and (self.options.mode != Mode.WRAP or self.options.sched):
-            threading.Thread(target=_load_coder, name="bt-coder", daemon=True).start()
-
     def start_draining(self) -> None:
         if self.options.mode == Mode.WRAP and not self.options.sched:
             return
@@ -420,9 +415,25 @@ class _Recording:
         self._drainer.start()
 
     def _drain_loop(self) -> None:
+        check_at, waits = time.monotonic() + CODER_AFTER, -1  # -1: no count yet
         while not self._done.is_set():
             if self._drain_once(final=False) == 0:
                 time.sleep(0.001)
+            if self.options.compress and time.monotonic() > check_at:
+                check_at, waits, behind = self._falling_behind(waits)
+                if behind:  # the dictionary coder packs such drains ~2.5x faster
+                    threading.Thread(target=_load_coder, name="bt-coder", daemon=True).start()
+                    check_at = float("inf")
+
+    def _falling_behind(self, seen: int) -> tuple[float, int, bool]:
+        """Whether a traced thread waited for the drain in the last second.  Loading the
+        coder costs ~0.9 s of CPU (numba's import), a loss for a short recording and for
+        traces LZ4 packs fast anyway, so only a recording that has run CODER_AFTER seconds
+        and still makes its threads wait gets it."""
+        with self.lock:
+            rings = [ring for ring, _reader, _fd in self.rings.values()]
+        waits = sum(ring._get("writer_waits") for ring in rings)
+        return time.monotonic() + 1.0, waits, 0 <= seen < waits
 
     def _drain_once(self, final: bool) -> int:
         moved = 0
@@ -675,7 +686,6 @@ class StalkerEngine:
             f"recording {argv[0]} (pid {pid}) from main with {_how(options, rec)}; Ctrl-C to stop"
         )
         rec.start_draining()
-        rec.start_coder()
         exited, status = _watch_child(pid)
         watcher = ExitWatcher()
         forks = None
@@ -796,7 +806,6 @@ class StalkerEngine:
                 f"the agent in pid {pid} went away while tracing started ({e})",
                 hint="try again",
             ) from None
-        rec.start_coder()
         deadline = None if options.duration is None else time.monotonic() + options.duration
         while not stop.is_set() and not gone.is_set():
             if deadline is not None and time.monotonic() > deadline:
