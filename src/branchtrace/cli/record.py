@@ -14,7 +14,6 @@ from rich.console import Console
 from ..engines import RecordOptions, RecordResult, Target
 from ..engines.base import Trigger
 from ..engines.stalker import StalkerEngine, resolve_program
-from ..engines.step import StepEngine
 from ..errors import UsageError
 from ..store import Mode, parse_size
 
@@ -207,7 +206,12 @@ def record(
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        chosen = StepEngine() if engine == "step" else StalkerEngine()
+        if engine == "step":
+            from ..engines.step import StepEngine  # capstone and pyelftools: ~40 ms to import
+
+            chosen: StalkerEngine | StepEngine = StepEngine()
+        else:
+            chosen = StalkerEngine()
         result = chosen.record(Target(argv=command, pid=pid), options, _CliEvents(), stop)
     finally:
         for s, handler in previous.items():
