@@ -160,8 +160,11 @@ BtThread *bt_thread_alloc(void) {
 void bt_thread_forget(BtThread *t) {
   if (t->closed)
     return;
-  if (t->header32 != NULL) /* the child's writes must not reach the parent's header */
-    mmap(t->header32, 4096, 3, 0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0);
+  /* the child's writes must not reach the parent's header: a private page in its place,
+     or (if that fails) the private `wp` for what C code writes */
+  if (t->header32 != NULL &&
+      mmap(t->header32, 4096, 3, 0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0) != t->header32)
+    t->wpp = &t->wp;
   t->closed = 1;
   WP(t) = (uint64_t)t->scratch;
   close(t->w.fd);
