@@ -1,40 +1,21 @@
-"""Packed (LZ4) stream files: what stream mode drains, read back word for word."""
+"""Packed (LZ4) stream files: what stream mode drains, read back word for word; and the
+block slots of rings with a block table, expanded and counted."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 
+import lz4.block
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from branchtrace.errors import StoreError
-from branchtrace.store import RecordType, packed
-from branchtrace.store.format import block_word, escape, payload_word
-from branchtrace.store.packed import (
-    DICTIONARY_PIECE,
-    PIECE,
-    append_packed,
-    load_dictionary_coder,
-    read_packed,
-)
-from branchtrace.store.records import count_records
-
-load_dictionary_coder()
-DICTIONARY_CODER = packed._dict_encode
-
-
-@contextlib.contextmanager
-def coder(kind: str):
-    """Pack with the dictionary coder, or plainly (as before the recorder has loaded it)."""
-    packed._dict_encode = DICTIONARY_CODER if kind == "dictionary" else None
-    try:
-        yield
-    finally:
-        packed._dict_encode = DICTIONARY_CODER
-
+from branchtrace.store import RecordType
+from branchtrace.store.format import BLOCK_ADDR_MASK, block_word, escape, payload_word
+from branchtrace.store.packed import DICT, DICTIONARY_PIECE, PIECE, append_packed, read_packed
+from branchtrace.store.records import count_records, expand_slots, parse_words
 
 # drains of words: some runs repeat (as loops do), some do not
 drains = st.lists(
@@ -56,70 +37,115 @@ def write(path, pieces: list[np.ndarray]) -> list[int]:
     return ends
 
 
-@pytest.mark.parametrize("kind", ["dictionary", "plain"])
 @settings(max_examples=60, deadline=None)
 @given(pieces=drains, repeat=st.integers(1, 2000))
-def test_pieces_read_back_as_the_words_drained(tmp_path_factory, kind, pieces, repeat):
+def test_pieces_read_back_as_the_words_drained(tmp_path_factory, pieces, repeat):
     pieces = [np.tile(p, repeat if i % 2 else 1) for i, p in enumerate(pieces)]
     path = tmp_path_factory.mktemp("p") / "T1.stream.lz4"
-    with coder(kind):
-        write(path, pieces)
+    write(path, pieces)
     expected = np.concatenate(pieces) if pieces else np.zeros(0, dtype="<u8")
     assert np.array_equal(read_packed(path), expected)
 
 
-@pytest.mark.parametrize("distinct", [1, 256, 257, 4096, 4097, 65536, 65537])
-def test_dictionary_pieces_up_to_65536_distinct_words_and_plain_beyond(tmp_path, distinct):
+def dictionary_piece(words: np.ndarray) -> bytes:
+    """A piece as the recorders before block ids wrote them: the distinct words, then LZ4
+    of an index into them per word."""
+    distinct, index = np.unique(words, return_inverse=True)
+    ids = index.astype("<u1" if distinct.size <= 256 else "<u2")
+    body = DICT.pack(distinct.size, ids.itemsize) + distinct.astype("<u8").tobytes()
+    body += lz4.block.compress(ids.tobytes(), mode="fast", store_size=False)
+    return PIECE.pack(words.size * 8 | DICTIONARY_PIECE, len(body)) + body
+
+
+@pytest.mark.parametrize("distinct", [1, 256, 257, 65536])
+def test_dictionary_pieces_of_earlier_recordings_still_read(tmp_path, distinct):
     rng = np.random.default_rng(distinct)
     words = rng.permutation(np.tile(rng.integers(0, 2**64, distinct, dtype="<u8"), 3))
+    plain = np.arange(7, dtype="<u8")
     path = tmp_path / "T1.stream.lz4"
-    write(path, [words])
-    raw, _ = PIECE.unpack_from(path.read_bytes(), 0)
-    assert bool(raw & DICTIONARY_PIECE) == (distinct <= 65536)
-    assert np.array_equal(read_packed(path), words)
+    write(path, [plain])
+    with open(path, "ab") as f:
+        f.write(dictionary_piece(words))
+    assert np.array_equal(read_packed(path), np.concatenate([plain, words]))
 
 
-@settings(max_examples=100, deadline=None)
-@given(
-    records=st.lists(
-        st.one_of(
-            st.integers(1, 40).map(lambda a: [block_word(0x400000 + a)]),
-            st.integers(0, 3).map(lambda r: [escape(RecordType.GAP, 0, r)]),
-            st.integers(0, 9).map(lambda t: [escape(RecordType.TIME, 1), payload_word(t)]),
-            st.just([escape(RecordType.PAD, 0)]),
-        ),
-        max_size=400,
-    )
-)
-def test_records_are_counted_the_same_from_a_dictionary_piece(tmp_path_factory, records):
-    words = np.array([w for r in records for w in r], dtype="<u8")
-    fd = os.open(tmp_path_factory.mktemp("p") / "T1.stream.lz4", os.O_WRONLY | os.O_CREAT)
-    try:
-        census = append_packed(fd, memoryview(words).cast("B"))
-    finally:
-        os.close(fd)
-    direct = count_records(words)
-    assert direct[0] == sum(r != [escape(RecordType.PAD, 0)] for r in records)
-    counted = [count_records(distinct, times) for distinct, times in census]
-    gaps: dict[int, int] = {}
-    for _, g in counted:
-        for reason, n in g.items():
-            gaps[reason] = gaps.get(reason, 0) + n
-    assert (sum(n for n, _ in counted), gaps) == direct
-
-
-@pytest.mark.parametrize("kind", ["dictionary", "plain"])
 @settings(max_examples=60, deadline=None)
 @given(pieces=drains, cut=st.floats(0, 1))
-def test_a_file_cut_short_holds_exactly_its_whole_pieces(tmp_path_factory, kind, pieces, cut):
+def test_a_file_cut_short_holds_exactly_its_whole_pieces(tmp_path_factory, pieces, cut):
     path = tmp_path_factory.mktemp("p") / "T1.stream.lz4"
-    with coder(kind):
-        ends = write(path, pieces)
+    ends = write(path, pieces)
     size = int(path.stat().st_size * cut)
     os.truncate(path, size)
     whole = [p for p, end in zip(pieces, ends, strict=True) if end <= size]
     expected = np.concatenate(whole) if whole else np.zeros(0, dtype="<u8")
     assert np.array_equal(read_packed(path), expected)
+
+
+PAD = escape(RecordType.PAD, 0)
+# what an inline writer with a block table stores: block ids, and escape records whose
+# payload may hold anything below bit 63 (a TIME stamp's high half is not a block id)
+slot_records = st.lists(
+    st.one_of(
+        st.integers(1, 30).map(lambda i: ("id", i)),
+        st.integers(0, 3).map(lambda r: ("words", [escape(RecordType.GAP, 0, r)])),
+        st.integers(0, 2**63 - 1).map(
+            lambda t: ("words", [escape(RecordType.TIME, 1), payload_word(t)])
+        ),
+        st.just(("words", [PAD])),
+        # a block compiled once the table was full: a BLOCK_FAR record, read as a BLOCK
+        st.integers(1, 30).map(lambda i: ("far", i)),
+    ),
+    max_size=300,
+)
+
+
+def slot_words(records) -> np.ndarray:
+    """`records` laid out as stalker_agent.c lays them: two ids to a word, low slot first;
+    an escape record after an odd number of ids leaves that word's high slot empty."""
+    words: list[int] = []
+    low: int | None = None
+    for kind, value in records:
+        if kind == "id":
+            if low is None:
+                low = value
+            else:
+                words.append(low | value << 32)
+                low = None
+        else:
+            if low is not None:
+                words.append(low)
+                low = None
+            if kind == "far":
+                start, off = int(TABLE[value]) & BLOCK_ADDR_MASK, int(TABLE[value]) >> 47
+                words += [escape(RecordType.BLOCK_FAR, 1, off), payload_word(start)]
+            else:
+                words += value
+    if low is not None:
+        words.append(low)
+    return np.array(words, dtype="<u8")
+
+
+TABLE = np.array([0] + [block_word(0x400000 + 16 * i, i % 5) for i in range(1, 31)], "<u8")
+
+
+@settings(max_examples=200, deadline=None)
+@given(records=slot_records)
+def test_slots_expand_to_their_blocks_and_are_counted_the_same(records):
+    words = slot_words(records)
+    expanded = expand_slots(words, TABLE)
+    expected = [w for kind, v in records for w in ([TABLE[v]] if kind != "words" else v)]
+    assert expanded.tolist() == [int(w) for w in expected]
+    parsed = parse_words(expanded)
+    assert parsed.size == sum(v != [PAD] for _, v in records)
+    assert count_records(words, slots=True) == count_records(expanded)
+    assert count_records(words, slots=True)[0] == parsed.size
+
+
+def test_a_slot_outside_the_table_is_one_clear_error():
+    with pytest.raises(StoreError, match="block table"):
+        expand_slots(np.array([1 | 31 << 32], "<u8"), TABLE)
+    with pytest.raises(StoreError, match="block table"):
+        expand_slots(np.array([5 << 32], "<u8"), TABLE)  # an empty low slot
 
 
 def test_a_corrupt_piece_is_one_clear_error(tmp_path):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import branchtrace
-from branchtrace.store import BranchKind, RecordType, parse_words
+from branchtrace.store import BranchKind, Mode, RecordType, Ring, parse_words
 from branchtrace.store.format import BLOCK_ADDR_MASK
 from branchtrace.store.tracedir import TraceDir
 from branchtrace.symbols import ModuleMap
@@ -91,6 +91,32 @@ def test_fib_gives_the_exact_call_count(tmp_path, programs):
     (tid,) = trace.threads()
     fib_n_plus_1 = 10946
     assert calls_to(trace, tid, programs["fib"], "fib") == 2 * fib_n_plus_1 - 1
+
+
+class _Quiet:
+    def started(self, description: str) -> None:
+        pass
+
+    def warning(self, message: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("mode", [Mode.STREAM, Mode.WRAP])
+def test_blocks_compiled_after_the_block_table_filled_are_still_exact(tmp_path, programs, mode):
+    from branchtrace.engines.base import RecordOptions, Target
+    from branchtrace.engines.stalker import StalkerEngine
+
+    n = 16
+    options = RecordOptions(output=tmp_path / "d", mode=mode, buffer_size=4 << 20, block_table=40)
+    target = Target(argv=(str(programs["fib"]), str(n)))
+    result = StalkerEngine().record(target, options, _Quiet(), threading.Event())
+    assert result.exit_code == 0
+    assert any("block table was full" in w for w in result.warnings)
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    with Ring.open(trace.ring_path(tid)) as ring:
+        assert ring._get("table_count") == 40 and ring._get("table_spilled") > 0
+    assert calls_to(trace, tid, programs["fib"], "fib") == 2 * 1597 - 1
 
 
 def test_registers_and_flags_that_only_look_dead_are_left_alone(tmp_path, programs):

@@ -175,6 +175,66 @@ def test_inline_pointer_ends_recovery_where_the_writer_stopped(laps, filled, new
     assert tail.tolist() == ([] if far else list(range(0x7000_0001, 0x7000_0001 + new)))
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    laps=st.integers(0, 3),
+    filled=st.integers(0, 1000),
+    new=st.integers(0, 2045),
+    far=st.booleans(),
+)
+def test_a_block_id_ring_recovers_exactly_the_slots_before_the_pointer(laps, filled, new, far):
+    """The stalker agent's layout: 4-byte block ids, each stored as 8 bytes at its pointer
+    minus 4 (the id and a zero for the slot after it), over an earlier lap's stale ids."""
+    from branchtrace.store.format import block_word
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        ring = Ring.create(
+            Path(d) / "s.bts", 64 << 10, Mode.WRAP, chunk_size=8192, table_entries=64
+        )
+        table = ring._table
+        table[1:] = [block_word(0x400000 + 16 * i) for i in range(1, 64)]
+        ring._set("table_count", 64)
+        base, chunk, size = 0x4000_0000, 8192, 64 << 10
+
+        def store(pos: int, ident: int) -> None:  # mov qword [wp-4], id
+            at = (pos & (size - 1)) // 4
+            view = ring._data.view("<u4")
+            view[at], view[at + 1] = ident, 0
+
+        pos = 0
+        for lap in range(laps):  # earlier laps: the whole ring, ids 1..63 over and over
+            for p in range(size // 4 - 1):
+                store(lap * size + 4 * p, 1 + p % 63)
+        # this lap: `filled` ids published (data_head), then `new` past it, in one chunk
+        pos = laps * size + 2 * chunk
+        claim = pos + chunk
+        head = pos + 8 * (filled // 2)
+        new = min(new, chunk // 4 - 1 - filled // 2 * 2)  # a chunk's last slot stays empty
+        for i in range(filled // 2 * 2 + new):
+            store(pos + 4 * i, 1 + (i * 7) % 63)
+        ring._set("data_tail", max(0, claim - size))
+        ring._set("data_head", head)
+        ring._set("claim_end", claim)
+        ring._set("inline_base", base)
+        wp = 4 * (filled // 2 * 2 + new) + 4  # the pointer leads its last slot by 4
+        ring._set("inline_ptr", 0x1000 if far else base + (pos & (size - 1)) + wp)
+        ring._set("writer_state", WriterState.ACTIVE)
+        with Ring.open(ring.path) as late:
+            end = head if far else pos + -(-(wp - 4) // 8) * 8
+            assert recovered_head(late) == end
+            words, at = RingReader(late).read_words()
+            blocks = late.expand(words[(head - at) // 8 :])
+        ring.close()
+    ids = [1 + (i * 7) % 63 for i in range(filled // 2 * 2, filled // 2 * 2 + new)]
+    assert blocks.tolist() == ([] if far else [int(table_entry(i)) for i in ids])
+
+
+def table_entry(ident: int) -> int:
+    from branchtrace.store.format import block_word
+
+    return block_word(0x400000 + 16 * ident)
+
+
 def test_drop_mode_counts_every_lost_record_exactly(shm_dir, ring_writer):
     n = 3_000_017
     ring = Ring.create(shm_dir / "d.bts", 64 << 10, Mode.DROP, Flags.TRACE | Flags.DROP)

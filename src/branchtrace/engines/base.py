@@ -39,6 +39,9 @@ class RecordOptions:
     triggers: tuple[Trigger, ...] = ()
     snapshots: int = 10  #: at most this many trigger snapshots
     compress: bool = True  #: stream files LZ4-compressed (store/packed.py)
+    #: entries in each thread's block table (0: buffer_size / 64, 4096 to 1M); blocks
+    #: compiled once it is full are recorded through a slower path
+    block_table: int = 0
 
 
 @dataclass

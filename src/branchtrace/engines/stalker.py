@@ -36,7 +36,6 @@ from ..errors import (
 )
 from ..store import Flags, Mode, Ring, RingReader
 from ..store.format import GapReason, c_writer_source
-from ..store.packed import load_dictionary_coder
 from ..store.records import count_records
 from ..store.tracedir import META, MODULES, SNAPSHOTS, ModuleEvent, TraceDir, drain_to_file
 from .base import (
@@ -57,8 +56,6 @@ INLINE_CACHE = 32
 MIN_BUFFER = 8 * CHUNK
 #: seconds an agent may take to stop or detach before the host gives up on it
 AGENT_TIMEOUT = 10.0
-#: seconds of stream recording after which a drain that makes threads wait loads the coder
-CODER_AFTER = 2.0
 
 _PRELUDE = """
 #include <gum/gumstalker.h>
@@ -244,9 +241,11 @@ class _Agent:
             raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
 
 
-def _load_coder() -> None:
-    with contextlib.suppress(Exception):  # without it drains are packed plainly: still whole
-        load_dictionary_coder()
+def _table_entries(buffer_size: int) -> int:
+    """Block table entries per thread: 1/64 of the ring (8 bytes an entry, so an eighth of
+    its size), 4096 to 1M.  A thread rarely runs more distinct blocks than that (gzip of
+    2.7 MB: 837); more are still recorded, through a callout."""
+    return min(1 << 20, max(4096, buffer_size // 64))
 
 
 class _Recording:
@@ -296,6 +295,7 @@ class _Recording:
             tid=tid,
             chunk_size=CHUNK,
             populate=True,
+            table_entries=self.options.block_table or _table_entries(self.options.buffer_size),
         )
         reader = stream_fd = None
         if self.options.mode != Mode.WRAP:
@@ -390,7 +390,7 @@ class _Recording:
             pids = dict(self.thread_pid)
         for t, ring in rings:
             words, _ = RingReader(ring).read_words(live=True)
-            words.tofile(out / f"T{t}.stream")
+            ring.expand(words).tofile(out / f"T{t}.stream")
         modules = self.tracedir.path / MODULES
         if modules.exists():
             shutil.copyfile(modules, out / MODULES)
@@ -415,25 +415,9 @@ class _Recording:
         self._drainer.start()
 
     def _drain_loop(self) -> None:
-        check_at, waits = time.monotonic() + CODER_AFTER, -1  # -1: no count yet
         while not self._done.is_set():
             if self._drain_once(final=False) == 0:
                 time.sleep(0.001)
-            if self.options.compress and time.monotonic() > check_at:
-                check_at, waits, behind = self._falling_behind(waits)
-                if behind:  # the dictionary coder packs such drains ~2.5x faster
-                    threading.Thread(target=_load_coder, name="bt-coder", daemon=True).start()
-                    check_at = float("inf")
-
-    def _falling_behind(self, seen: int) -> tuple[float, int, bool]:
-        """Whether a traced thread waited for the drain in the last second.  Loading the
-        coder costs ~0.9 s of CPU (numba's import), a loss for a short recording and for
-        traces LZ4 packs fast anyway, so only a recording that has run CODER_AFTER seconds
-        and still makes its threads wait gets it."""
-        with self.lock:
-            rings = [ring for ring, _reader, _fd in self.rings.values()]
-        waits = sum(ring._get("writer_waits") for ring in rings)
-        return time.monotonic() + 1.0, waits, 0 <= seen < waits
 
     def _drain_once(self, final: bool) -> int:
         moved = 0
@@ -461,16 +445,18 @@ class _Recording:
             self._drainer.join()
         self._drain_once(final=True)
         stats = {}
+        spilled = 0
         with self.lock:
             for tid, (ring, reader, fd) in self.rings.items():
                 lost = ring.lost_records
+                spilled += ring._get("table_spilled")
                 if reader is not None:
                     reader.close()
                 if fd is not None:
                     os.close(fd)
                 if reader is None:  # wrap: what the ring holds
                     words, _ = RingReader(ring).read_words()
-                    records, gaps = count_records(words)
+                    records, gaps = count_records(words, slots=ring.table_size > 0)
                 else:
                     records, gaps = self.drained.get(tid, 0), self.gaps.get(tid, {})
                 ring.close()
@@ -479,6 +465,11 @@ class _Recording:
                     records=records,
                     lost=lost,
                     gaps={GapReason(r).name.lower(): n for r, n in gaps.items()},
+                )
+            if spilled:
+                self._error(
+                    f"{spilled} blocks compiled after a thread's block table was full were "
+                    "recorded through a slower path (a larger --buffer-size has a larger table)"
                 )
             for tid, recorder in self.switches.items():
                 recorder.close()
@@ -819,7 +810,9 @@ class StalkerEngine:
             try:
                 far = _bounded(agent.script.exports_sync.stop).get("farBlocks", 0)
                 if far:
-                    result.warnings.append(f"{far} blocks above 2^47 were not traced")
+                    result.warnings.append(
+                        f"{far} blocks were not traced (above 2^47, or no memory for them)"
+                    )
                 _bounded(session.detach)
                 result.detached = True
             except AgentTimeoutError:

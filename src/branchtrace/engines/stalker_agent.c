@@ -52,6 +52,9 @@
 
 #define BT_CHUNK 65536
 #define WP(t) (*(t)->wpp)
+/* wp points this far past the last slot: a slot is stored as 8 bytes at wp - 4, the block
+   id and a zero for the slot after it, so a word is always whole (docs/format.md) */
+#define SLOT_LEAD 4
 
 typedef struct {
   uint64_t *wpp;         /* the write pointer: the ring header's inline_ptr, or `wp` */
@@ -68,6 +71,12 @@ typedef struct {
   uint64_t far_blocks;   /* blocks compiled above 2^47, which a BLOCK word cannot hold */
   csh cs;                /* this thread's decoder for the lookahead (0: not opened yet) */
   cs_insn *cs_insn;
+  uint64_t *table;       /* the ring's block table: block id -> BLOCK word */
+  uint64_t table_cap;
+  uint64_t next_id;      /* 0 is the empty slot */
+  uint64_t *spill;       /* (thread, BLOCK word) pairs of the blocks compiled once the
+                            table was full, which a callout records */
+  uint64_t spill_left;
 } BtThread;
 
 #define BT_MAX_THREADS 4096
@@ -96,14 +105,20 @@ static uint8_t *align_up(uint8_t *p, uint64_t a) {
 static uint64_t wp_position(BtThread *t) {
   uint64_t chunk_start = t->w.claim_end - BT_CHUNK;
   uint8_t *chunk_ptr = (uint8_t *)t->w.data + (chunk_start & t->w.mask);
-  return chunk_start + ((uint8_t *)WP(t) - chunk_ptr);
+  uint64_t end = chunk_start + ((uint8_t *)WP(t) - SLOT_LEAD - chunk_ptr);
+  return (end + 7) & ~7ULL; /* a word's empty high slot was stored as zero */
+}
+
+/* Slots the scratch chunk took while dropping. */
+static uint64_t scratch_slots(BtThread *t) {
+  return (WP(t) - SLOT_LEAD - (uint64_t)t->scratch) / 4;
 }
 
 /* Point wp at a claimed chunk (or the scratch chunk when drop mode must drop). */
 static void refill(BtThread *t) {
   int ok;
   if (t->closed) {
-    WP(t) = (uint64_t)t->scratch;
+    WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
     return;
   }
   if (t->w.pending_lost)
@@ -112,7 +127,7 @@ static void refill(BtThread *t) {
     ok = bt_reserve(&t->w, 1) == 0;
   if (!ok) {
     t->dropping = 1;
-    WP(t) = (uint64_t)t->scratch;
+    WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
     return;
   }
   t->dropping = 0;
@@ -125,14 +140,14 @@ static void refill(BtThread *t) {
                          (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK};
     bt_store(&t->w, stamp, 2);
   }
-  WP(t) = (uint64_t)t->w.data + (t->w.head & t->w.mask);
+  WP(t) = (uint64_t)t->w.data + (t->w.head & t->w.mask) + SLOT_LEAD;
 }
 
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
   if (t->dropping || t->closed) {
     if (!t->closed)
-      bt_lose(&t->w, (WP(t) - (uint64_t)t->scratch) / 8);
+      bt_lose(&t->w, scratch_slots(t));
   } else {
     t->w.head = t->w.claim_end;
   }
@@ -166,7 +181,7 @@ void bt_thread_forget(BtThread *t) {
       mmap(t->header32, 4096, 3, 0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0) != t->header32)
     t->wpp = &t->wp;
   t->closed = 1;
-  WP(t) = (uint64_t)t->scratch;
+  WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
   close(t->w.fd);
 }
 
@@ -198,11 +213,19 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
     close(fd);
     return -12;
   }
-  if (bt_writer_init(&t->w, map, fd, 0, (uint32_t)getpid()) || t->w.chunk != BT_CHUNK) {
+  uint64_t table_offset = ((uint64_t *)map)[BT_OFF_TABLE_OFFSET / 8];
+  uint64_t table_size = ((uint64_t *)map)[BT_OFF_TABLE_SIZE / 8];
+  if (bt_writer_init(&t->w, map, fd, 0, (uint32_t)getpid()) || t->w.chunk != BT_CHUNK ||
+      table_size < 16 || table_offset + table_size > size) {
     munmap(reserve, reserve_size);
     close(fd);
     return -22;
   }
+  t->table = (uint64_t *)(map + table_offset);
+  t->table_cap = table_size / 8;
+  t->next_id = BT_HDR64(&t->w, BT_OFF_TABLE_COUNT);
+  if (t->next_id == 0)
+    t->next_id = 1;
   /* The write pointer lives in the shared header, below 2 GiB for the short sequences, so
      a reader finds where the records end once this process is gone without the chunks
      being zeroed.  Failing that, in BtThread, and chunks are zeroed. */
@@ -235,7 +258,7 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
    took while dropping), before C code writes or publishes. */
 static void sync_head(BtThread *t) {
   if (t->dropping)
-    bt_lose(&t->w, (WP(t) - (uint64_t)t->scratch) / 8);
+    bt_lose(&t->w, scratch_slots(t));
   else
     t->w.head = wp_position(t);
 }
@@ -246,7 +269,7 @@ void bt_thread_close(BtThread *t) {
     return;
   sync_head(t);
   t->closed = 1;
-  WP(t) = (uint64_t)t->scratch;
+  WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
   bt_writer_close(&t->w);
   close(t->w.fd); /* releases the writer lock */
 }
@@ -540,16 +563,13 @@ static void put_mov_reg_abs(GumX86Writer *cw, uint8_t opcode, int r, uint32_t ad
   put_bytes(cw, (uint8_t *)&address, 4);
 }
 
-/* mov dword [r+disp], imm32: returns where the immediate is, to patch it in later */
-static uint8_t *put_store_imm32(GumX86Writer *cw, int r, uint8_t disp) {
-  if (r >= 8) {
-    uint8_t rex = 0x41;
-    put_bytes(cw, &rex, 1);
-  }
-  uint8_t op = 0xc7;
-  put_bytes(cw, &op, 1);
-  put_modrm_disp8(cw, 0, r, disp);
-  uint8_t *imm = gum_x86_writer_cur(cw);
+/* mov qword [r-4], imm32 (the slot's block id, and the zero of the slot after it):
+   returns where the immediate is, to patch the id in once it is known */
+static uint32_t *put_store_slot(GumX86Writer *cw, int r) {
+  uint8_t op[2] = {(uint8_t)(0x48 | (r >> 3)), 0xc7};
+  put_bytes(cw, op, 2);
+  put_modrm_disp8(cw, 0, r, (uint8_t)-SLOT_LEAD);
+  uint32_t *imm = (uint32_t *)gum_x86_writer_cur(cw);
   uint32_t zero = 0;
   put_bytes(cw, (uint8_t *)&zero, 4);
   return imm;
@@ -566,20 +586,19 @@ static void put_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThre
 
 /* The record sequence that needs no saving: register r is dead at the start of the block,
    and so are the flags unless r is rcx (then the chunk check is jrcxz):
-     mov r, [wp]; mov dword [r], lo; mov dword [r+4], hi; lea r, [r+8]; mov [wp], r
+     mov r, [wp]; mov qword [r-4], ID; lea r, [r+4]; mov [wp], r
      movzx ecx, cx; jrcxz slow       or       test r16, r16; jz slow
-   Returns where the two immediates are. */
-static uint8_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                                 int r, uint8_t **hi) {
+   Returns where the id goes. */
+static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                                  int r) {
   uint32_t wp32 = (uint32_t)(uint64_t)t->wpp;
   put_mov_reg_abs(cw, 0x8b, r, wp32);
-  uint8_t *lo = put_store_imm32(cw, r, 0);
-  *hi = put_store_imm32(cw, r, 4);
+  uint32_t *id = put_store_slot(cw, r);
   uint8_t lea = 0x8d;
   uint8_t rex = rex_w(r, r);
   put_bytes(cw, &rex, 1);
   put_bytes(cw, &lea, 1);
-  put_modrm_disp8(cw, r, r, 8);
+  put_modrm_disp8(cw, r, r, SLOT_LEAD);
   put_mov_reg_abs(cw, 0x89, r, wp32);
   if (r == 1) {
     static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc9, 0xe3, 0x05};
@@ -590,15 +609,46 @@ static uint8_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw,
     put_bytes(cw, test, 1);
     put_bytes(cw, test + (r < 8 ? 2 : 1), r < 8 ? 4 : 5); /* REX only for r8..r15 */
   }
-  put_slow_path(iterator, cw, t, lo);
-  return lo;
+  put_slow_path(iterator, cw, t, id);
+  return id;
+}
+
+/* A block compiled once the thread's block table is full: a callout writes its BLOCK_FAR
+   record through bt_writer.h (a word of the ring holds slots, never a BLOCK word). */
+static void on_spilled_block(GumCpuContext *cpu, gpointer user_data) {
+  uint64_t *spilled = user_data;
+  BtThread *t = (BtThread *)spilled[0];
+  if (t->closed)
+    return;
+  sync_head(t);
+  uint64_t far[2] = {bt_escape(BT_RECORDTYPE_BLOCK_FAR, 1, spilled[1] >> BT_BLOCK_ADDR_BITS),
+                     spilled[1] & ((1ULL << BT_BLOCK_ADDR_BITS) - 1)};
+  bt_write(&t->w, far, 2);
+  refill(t);
+}
+
+static uint64_t *new_spilled(BtThread *t) {
+  if (t->spill_left == 0) {
+    uint8_t *p = mmap(NULL, 65536, 3, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+    if (p == (uint8_t *)-1)
+      return NULL;
+    t->spill = (uint64_t *)p;
+    t->spill_left = 65536 / 16;
+  }
+  uint64_t *e = t->spill;
+  t->spill += 2;
+  t->spill_left--;
+  e[0] = (uint64_t)t;
+  return e;
 }
 
 void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data) {
   BtThread *t = user_data;
   GumX86Writer *cw = output->writer.x86;
   const cs_insn *insn;
-  uint8_t *record_imm = NULL, *record_hi = NULL;
+  uint32_t *slot = NULL; /* where the block id goes */
+  uint64_t id = 0;
+  uint64_t *spilled = NULL;
   uint64_t start = 0, last = 0;
   uint64_t wp_addr = (uint64_t)t->wpp;
 
@@ -615,6 +665,13 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     } else if (first && (insn->address >> BT_BLOCK_ADDR_BITS) != 0) {
       /* TODO(LA57): only with 5-level paging; counted and reported, never silent */
       t->far_blocks++;
+    } else if (first && t->next_id >= t->table_cap) {
+      start = insn->address;
+      spilled = new_spilled(t);
+      if (spilled != NULL)
+        gum_stalker_iterator_put_callout(iterator, on_spilled_block, spilled, NULL);
+      else
+        t->far_blocks++;
     } else if (first) {
       start = insn->address;
       int flags_dead = 0;
@@ -626,8 +683,9 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
         for (int i = 0; i < 16 && r < 0; i++)
           if (dead & (1u << i))
             r = i;
+      id = t->next_id++;
       if (r >= 0) {
-        record_imm = put_short_record(iterator, cw, t, r, &record_hi);
+        slot = put_short_record(iterator, cw, t, r);
       } else {
         static const uint8_t movabs_load[] = {0x48, 0xa1};
         static const uint8_t movabs_store[] = {0x48, 0xa3};
@@ -637,14 +695,12 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
         gum_x86_writer_put_push_reg(cw, GUM_X86_RCX);
         put_bytes(cw, movabs_load, 2);
         put_bytes(cw, (uint8_t *)&wp_addr, 8);
-        record_imm = (uint8_t *)gum_x86_writer_cur(cw) + 2;
-        gum_x86_writer_put_mov_reg_u64(cw, GUM_X86_RCX, 0x1122334455667788ULL);
-        gum_x86_writer_put_mov_reg_ptr_reg(cw, GUM_X86_RAX, GUM_X86_RCX);
-        gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RAX, GUM_X86_RAX, 8);
+        slot = put_store_slot(cw, 0 /* rax */);
+        gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RAX, GUM_X86_RAX, SLOT_LEAD);
         put_bytes(cw, movabs_store, 2);
         put_bytes(cw, (uint8_t *)&wp_addr, 8);
         put_bytes(cw, movzx_jrcxz, 5); /* jrcxz over the 5-byte jmp below */
-        put_slow_path(iterator, cw, t, record_imm);
+        put_slow_path(iterator, cw, t, slot);
         gum_x86_writer_put_pop_reg(cw, GUM_X86_RCX);
         gum_x86_writer_put_pop_reg(cw, GUM_X86_RAX);
         gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RSP, GUM_X86_RSP, 128);
@@ -657,11 +713,16 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   /* Stalker ends a block at every branch, so it spans a few dozen bytes: the offset of
      its last instruction always fits the 16 bits of a BLOCK word. */
   uint64_t record = start | ((last - start) << BT_BLOCK_ADDR_BITS);
-  if (record_hi != NULL) {
-    *(uint32_t *)record_imm = (uint32_t)record;
-    *(uint32_t *)record_hi = (uint32_t)(record >> 32);
-  } else if (record_imm != NULL) {
-    *(uint64_t *)record_imm = record;
+  if (slot != NULL) {
+    /* the entry before the count that covers it, both before the block first runs, so
+       any reader that finds the id finds its entry */
+    t->table[id] = record;
+    bt_barrier();
+    BT_HDR64(&t->w, BT_OFF_TABLE_COUNT) = id + 1;
+    *slot = (uint32_t)id;
+  } else if (spilled != NULL) {
+    spilled[1] = record;
+    BT_HDR64(&t->w, BT_OFF_TABLE_SPILLED) = BT_HDR64(&t->w, BT_OFF_TABLE_SPILLED) + 1;
   }
 }
 

@@ -232,7 +232,7 @@ class TaskTrace:
         ring = self._need_ring()
         reader = self._reader or RingReader(ring)
         words, pos = reader.read_words()
-        records = parse_words(words, pos, where=str(ring.path))
+        records = parse_words(ring.expand(words), pos, where=str(ring.path))
         self._release_up_to(pos + words.size * 8)
         return records
 

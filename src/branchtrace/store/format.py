@@ -14,6 +14,11 @@ header word followed by payload words:
 * bit 63 clear: a BLOCK record.  Bits 0-46 are the start address of an executed block of
   code, bits 47-62 the offset of the block's last instruction from that start.  This is
   what the in-process writer emits once per executed block (8 bytes per block).
+* in a ring with a block table (``table_size`` > 0, what the stalker engine's inline
+  writer uses), a word that is neither an escape header nor payload holds two 32-bit
+  *slots* instead, low half first: each a block id (an index into the table, whose entry
+  is that block's BLOCK word) or 0, empty.  4 bytes per executed block; readers expand
+  slots into BLOCK words (:func:`records.expand_slots`) before anything else sees them.
 * bit 63 set: an escape header (the seed's escape addresses, generalised).  Bits 56-62
   are the record type, bits 40-55 the number of payload words that follow, bits 0-39 an
   argument.  Payload words in the ring always have bit 63 clear, so every word with bit
@@ -30,8 +35,9 @@ import numpy as np
 MAGIC = b"BTSTORE\x00"
 #: 2: an inline writer may skip zeroing chunks and publish its write pointer instead
 #: (inline_ptr, inline_base); version 1 rings read the same with those fields zero.
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+#: 3: a ring may have a block table, and then holds 4-byte block ids (table_*).
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 HEADER_SIZE = 4096
 WORD = 8
 
@@ -55,6 +61,9 @@ LEN_SHIFT = 40
 LEN_MASK = 0xFFFF
 ARG_MASK = (1 << 40) - 1
 PAYLOAD_MASK = (1 << 63) - 1
+#: a slot is 32 bits, and the high slot of a word must leave bit 63 clear
+SLOT_BITS = 32
+MAX_BLOCK_ID = (1 << 31) - 1
 
 
 class RecordType(IntEnum):
@@ -143,7 +152,8 @@ HEADER_DTYPE = np.dtype(
             "data_head", "head_seq", "reader_waiting", "claim_end",
             "data_tail", "tail_seq", "writer_waiting", "clear_pos",
             "lost_records", "lost_events", "writer_waits", "meta_head", "meta_lost",
-            "inline_ptr", "inline_base",
+            "inline_ptr", "inline_base", "table_offset", "table_size", "table_count",
+            "table_spilled",
         ],
         "formats": [
             "S8", "<u4", "<u4", "<u8", "<u8", "<u8",
@@ -152,7 +162,8 @@ HEADER_DTYPE = np.dtype(
             "<u8", "<u4", "<u4", "<u8",
             "<u8", "<u4", "<u4", "<u8",
             "<u8", "<u8", "<u8", "<u8", "<u8",
-            "<u8", "<u8",
+            "<u8", "<u8", "<u8", "<u8", "<u8",
+            "<u8",
         ],
         "offsets": [
             0, 8, 12, 16, 24, 32,
@@ -161,7 +172,8 @@ HEADER_DTYPE = np.dtype(
             _cacheline(128), 136, 140, 144,
             _cacheline(192), 200, 204, 208,
             _cacheline(256), 264, 272, 280, 288,
-            _cacheline(320), 328,
+            _cacheline(320), 328, 336, 344, 352,
+            360,
         ],
         "itemsize": HEADER_SIZE,
     }

@@ -24,6 +24,7 @@ from .format import (
     META_FIXED_WORDS,
     RECORD_DTYPE,
     RING_TYPES,
+    SLOT_BITS,
     TYPE_MASK,
     TYPE_SHIFT,
     WORD,
@@ -182,25 +183,90 @@ def parse_meta(buf: bytes | memoryview, where: str = "metadata") -> list[MetaEnt
     return entries
 
 
-def count_records(words: np.ndarray, times: np.ndarray | None = None) -> tuple[int, dict[int, int]]:
+def count_records(words: np.ndarray, *, slots: bool = False) -> tuple[int, dict[int, int]]:
     """How many records (PAD excluded) `words` holds, and how many GAP records of each
-    reason, without building them.  `times`: each word stands for that many (the distinct
-    words of a dictionary-coded piece and how often each occurs)."""
+    reason, without building them.  `slots`: the words come from a ring with a block table
+    (two block ids to a word; a word's high slot may be empty)."""
     w = np.asarray(words, dtype=_U64)
-    total = w.size if times is None else int(np.sum(times))
+    total = w.size
     escapes = w >= ESCAPE_BIT
-    if not escapes.any():  # the usual case: nothing but BLOCK words
+    nesc = int(np.count_nonzero(escapes))
+    if slots:  # a second block in every word whose high slot is taken, payload aside
+        total += int(np.count_nonzero(w >> _U64(SLOT_BITS))) - nesc
+    if not nesc:  # the usual case: nothing but blocks
         return total, {}
-    headers = w[escapes]
-    weight = (
-        np.ones(headers.size, np.int64) if times is None else np.asarray(times, np.int64)[escapes]
-    )
+    hidx = np.flatnonzero(escapes)
+    headers = w[hidx]
     types = (headers >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)
     lengths = ((headers >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).astype(np.int64)
-    payload = int((lengths * weight).sum())
-    pads = int(weight[types == RecordType.PAD].sum())
+    payload = int(lengths.sum())
+    if slots and payload:
+        at = _payload_index(hidx, lengths, w.size)
+        payload += int(np.count_nonzero(w[at] >> _U64(SLOT_BITS)))
+    pads = int(np.count_nonzero(types == RecordType.PAD))
     gaps: dict[int, int] = {}
-    is_gap = types == RecordType.GAP
-    for reason, count in zip(headers[is_gap] & _U64(ARG_MASK), weight[is_gap], strict=True):
-        gaps[int(reason)] = gaps.get(int(reason), 0) + int(count)
+    for reason in headers[types == RecordType.GAP] & _U64(ARG_MASK):
+        gaps[int(reason)] = gaps.get(int(reason), 0) + 1
     return total - payload - pads, gaps
+
+
+def _payload_index(hidx: np.ndarray, lengths: np.ndarray, n: int) -> np.ndarray:
+    """Indexes of the payload words of the headers at `hidx` (cut at `n`)."""
+    first = np.repeat(hidx + 1 - np.cumsum(lengths) + lengths, lengths)
+    at = first + np.arange(first.size)
+    return at[at < n]
+
+
+def _slot_words(w: np.ndarray) -> np.ndarray:
+    """Mask of the words that hold block slots: neither an escape header nor payload."""
+    escapes = w >= ESCAPE_BIT
+    hidx = np.flatnonzero(escapes)
+    mask = ~escapes
+    if hidx.size:
+        lengths = ((w[hidx] >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).astype(np.int64)
+        mask[_payload_index(hidx, lengths, w.size)] = False
+    return mask
+
+
+def expand_slots(words: np.ndarray, table: np.ndarray, *, where: str = "ring") -> np.ndarray:
+    """The words of a ring with a block table, with each slot's block id replaced by the
+    table's BLOCK word for it (empty slots dropped) and each BLOCK_FAR record that fits a
+    BLOCK word made one (what the writer records once its table is full), so that they
+    read like any ring's.
+    `words` must start on a record boundary.  Raises CorruptStoreError on an id outside
+    the table or a word with an empty low slot."""
+    w = np.ascontiguousarray(words, dtype=_U64)
+    holds = _slot_words(w)
+    sw = w[holds]
+    lo = sw & _U64(0xFFFFFFFF)
+    hi = sw >> _U64(SLOT_BITS)
+    entries = np.concatenate([np.zeros(1, _U64), table[1:]]) if table.size else np.zeros(1, _U64)
+    bad = (lo == 0) | (lo >= entries.size) | (hi >= entries.size)
+    if bad.any():
+        i = int(np.flatnonzero(holds)[np.argmax(bad)])
+        raise CorruptStoreError(
+            f"{where}: word {int(w[i]):#018x} at index {i} holds no block id of the "
+            f"{entries.size - 1}-entry block table"
+        )
+    first = entries[lo]
+    second = entries[hi]
+    if (first == 0).any() or (second[hi != 0] == 0).any():
+        raise CorruptStoreError(f"{where}: a block id names an empty table entry")
+    pairs = np.zeros((w.size, 2), _U64)
+    pairs[:, 0] = w
+    pairs[holds, 0] = first
+    pairs[holds, 1] = second
+    keep = np.zeros((w.size, 2), bool)
+    keep[:, 0] = True
+    keep[holds, 1] = hi != 0
+    # the blocks a full table could not number come as BLOCK_FAR records: BLOCK words too
+    far = np.flatnonzero(
+        (w >= ESCAPE_BIT) & (((w >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)) == RecordType.BLOCK_FAR)
+    )
+    far = far[(far + 1 < w.size)]
+    far = far[w[far + 1] <= _U64(BLOCK_ADDR_MASK)]
+    offsets = w[far] & _U64(ARG_MASK)
+    far = far[offsets <= _U64(BLOCK_OFF_MASK)]
+    pairs[far, 0] = w[far + 1] | ((w[far] & _U64(ARG_MASK)) << _U64(BLOCK_ADDR_BITS))
+    keep[far + 1, 0] = False
+    return pairs[keep]

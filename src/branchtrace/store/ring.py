@@ -12,6 +12,8 @@ Concurrency model (see docs/format.md for the full contract):
   (`inline_ptr`, advanced after each record's words are stored; `inline_base` non-zero).
   A late reader therefore always starts at an intact record and never returns a record
   that was being written when the writer died.
+* A ring with a block table (version 3, `table_size` > 0) holds 4-byte block ids, two to
+  a word, written by an inline writer only; readers expand them (:meth:`Ring.expand`).
 * data_head is published after every record by the Python and C writers; an inline
   writer may publish it less often, and a reader of a dead writer recovers the records
   past data_head in the claimed chunk: up to `inline_ptr`, or to the first zero word.
@@ -51,6 +53,7 @@ from .format import (
     HEADER_DTYPE,
     HEADER_SIZE,
     MAGIC,
+    MAX_BLOCK_ID,
     MAX_CHUNK_SIZE,
     MAX_RING_PAYLOAD,
     MIN_DATA_SIZE,
@@ -64,11 +67,14 @@ from .format import (
     meta_entry,
     record_words,
 )
-from .records import MetaEntry, parse_meta, parse_words
+from .records import MetaEntry, expand_slots, parse_meta, parse_words
 
 _WRITER_LOCK_BYTE = 0
 _CONSUMER_LOCK_BYTE = 1
 _PAD_WORD = np.uint64(1 << 63)
+#: an inline writer with a block table keeps its pointer this far past its last slot
+#: (each slot is stored as 8 bytes at pointer - 4: the id, then a zero for the next slot)
+SLOT_LEAD = 4
 _U64 = np.uint64
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -148,6 +154,10 @@ class Ring:
         self._meta = np.frombuffer(
             mm, np.uint8, count=self.meta_size, offset=HEADER_SIZE + self.data_size
         )
+        self.table_size = int(h["table_size"]) if int(h["version"]) >= 3 else 0
+        self._table = np.frombuffer(
+            mm, _U64, count=self.table_size // WORD, offset=int(h["table_offset"] or 0)
+        )
         self._base_addr = self._hdr.ctypes.data
 
     # -- creation and opening ------------------------------------------------------------
@@ -165,10 +175,13 @@ class Ring:
         tid: int = 0,
         notify_signal: int = 0,
         populate: bool = False,
+        table_entries: int = 0,
     ) -> Ring:
         """Create a new store file (replacing any old one at `path`).
 
-        `data_size` is in bytes, a power of two >= 4096.  The file's blocks are allocated
+        `data_size` is in bytes, a power of two >= 4096.  `table_entries` > 0: a block
+        table of that many entries for an inline writer's 4-byte block ids (entry 0, the
+        empty slot, is never used).  The file's blocks are allocated
         up front, so a full /dev/shm fails here with NoMemoryError instead of killing the
         writer with SIGBUS later.
         """
@@ -180,7 +193,10 @@ class Ring:
         if not is_power_of_two(chunk) or chunk > data_size or chunk < (MAX_RING_PAYLOAD + 2) * WORD:
             raise InvalidArgumentError(f"chunk size {chunk} does not fit ring size {data_size}")
         meta_size = -(-meta_size // WORD) * WORD
-        total = HEADER_SIZE + data_size + meta_size
+        if not 0 <= table_entries <= MAX_BLOCK_ID + 1:
+            raise InvalidArgumentError(f"a block table holds at most {MAX_BLOCK_ID + 1} entries")
+        table_size = table_entries * WORD
+        total = HEADER_SIZE + data_size + meta_size + table_size
         path = Path(path)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
         try:
@@ -207,6 +223,9 @@ class Ring:
             h["chunk_size"] = chunk
             h["meta_offset"] = HEADER_SIZE + data_size
             h["meta_size"] = meta_size
+            if table_size:
+                h["table_offset"] = HEADER_SIZE + data_size + meta_size
+                h["table_size"] = table_size
             h["mode"] = mode
             h["flags"] = flags
             h["tid"] = tid
@@ -256,7 +275,7 @@ class Ring:
     def close(self) -> None:
         if self.fd < 0:
             return
-        del self._hdr, self._data, self._meta
+        del self._hdr, self._data, self._meta, self._table
         # Views handed out earlier (records being read, a writer's data) keep the mapping
         # alive; it is unmapped when the last of them goes.
         with contextlib.suppress(BufferError):
@@ -324,6 +343,15 @@ class Ring:
         """True while some process holds the writer lock."""
         return _ofd_lock(self.fd, _WRITER_LOCK_BYTE, query=True) != 0
 
+    def expand(self, words: np.ndarray) -> np.ndarray:
+        """`words` of this ring's stream (read from it or drained from it, starting at a
+        record boundary) with block ids turned into BLOCK words; as they are if the ring
+        has no block table."""
+        if not self.table_size:
+            return words
+        table = self._table[: min(self._get("table_count"), self._table.size)]
+        return expand_slots(words, table, where=str(self.path))
+
 
 def _validate_header(path: Path, raw: bytes, file_size: int) -> int:
     def bad(why: str) -> CorruptStoreError:
@@ -350,6 +378,13 @@ def _validate_header(path: Path, raw: bytes, file_size: int) -> int:
     if meta_off != HEADER_SIZE + data_size or meta_size % WORD:
         raise bad("metadata area misplaced")
     total = meta_off + meta_size
+    if int(h["version"]) >= 3 and int(h["table_size"]):
+        table_off, table_size = int(h["table_offset"]), int(h["table_size"])
+        if table_off != total or table_size % WORD:
+            raise bad("block table misplaced")
+        if int(h["table_count"]) > table_size // WORD:
+            raise bad("block table count beyond the table")
+        total += table_size
     if file_size < total:
         raise bad(f"truncated: {file_size} bytes, the header describes {total}")
     if int(h["mode"]) not in tuple(Mode):
@@ -387,7 +422,11 @@ def recovered_head(ring: Ring, *, live: bool = False) -> int:
     base = ring._get("inline_base")
     if base:  # the writer did not zero the chunk: its write pointer says where words end
         chunk_start = claim - ring.chunk_size
-        end = chunk_start + ring._get("inline_ptr") - base - (chunk_start & (ring.data_size - 1))
+        ptr = ring._get("inline_ptr") - (SLOT_LEAD if ring.table_size else 0)
+        end = chunk_start + ptr - base - (chunk_start & (ring.data_size - 1))
+        # a word holding one slot is whole: each slot is stored as 8 bytes, its id and
+        # a zero for the slot after it
+        end = -(-end // WORD) * WORD
         if not head <= end <= claim:  # dropping (pointing at its scratch chunk), or closed
             return head
         words = ring._data[at : at + (end - head) // WORD]
@@ -426,6 +465,11 @@ class RingWriter:
         self._data = ring._data
         # Keep what an earlier writer left past its published head, then start claiming
         # afresh at the next chunk boundary.
+        if ring.table_size:
+            _ofd_unlock(ring.fd, _WRITER_LOCK_BYTE)
+            raise ModeConflictError(
+                f"{ring.path} holds block ids: only an inline writer (the stalker engine) writes it"
+            )
         self._head = recovered_head(ring)
         self._claim_end = ring._get("claim_end")
         if self._head < self._claim_end:
@@ -689,7 +733,7 @@ class RingReader:
     def read(self, *, start: int | None = None) -> np.ndarray:
         """The valid records, oldest first, as a RECORD_DTYPE array."""
         words, pos = self.read_words(start=start)
-        return parse_words(words, pos, where=str(self.ring.path))
+        return parse_words(self.ring.expand(words), pos, where=str(self.ring.path))
 
     def advance(self, pos: int) -> None:
         """Release everything before stream position `pos` to the writer."""

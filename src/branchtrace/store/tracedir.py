@@ -175,17 +175,17 @@ class TraceDir:
             return (np.zeros(0, dtype="<u8") if drained is None else drained), 0
         with Ring.open(self.ring_path(tid)) as ring:
             rest, pos = RingReader(ring).read_words()
-        if drained is not None and drained.size:
-            if pos != drained.size * 8:
-                raise StoreError(
-                    f"{self.stream_path(tid)}: holds {drained.size * 8} bytes but the ring "
-                    f"continues at position {pos}: the recording is incomplete"
-                )
-            parts.append(drained)
-            pos = 0
-        if rest.size or not parts:
-            parts.append(rest)
-        return np.concatenate(parts) if len(parts) > 1 else parts[0], pos
+            if drained is not None and drained.size:
+                if pos != drained.size * 8:
+                    raise StoreError(
+                        f"{self.stream_path(tid)}: holds {drained.size * 8} bytes but the "
+                        f"ring continues at position {pos}: the recording is incomplete"
+                    )
+                parts.append(drained)
+                pos = 0
+            if rest.size or not parts:
+                parts.append(rest)
+            return ring.expand(np.concatenate(parts) if len(parts) > 1 else parts[0]), pos
 
 
 def _is_ours(name: str) -> bool:
@@ -194,6 +194,11 @@ def _is_ours(name: str) -> bool:
         or name.startswith(".")
         or (name.startswith("T") and name.endswith((".bts", ".stream", PACKED, ".sched.npy")))
     )
+
+
+#: bytes packed and counted at a time: the drain of a 32 MiB ring took 25% less CPU in
+#: 1 MiB slices than whole (fib(40), 5.3 GB of words: 1.44 -> 1.08-1.22 s)
+DRAIN_SLICE = 1 << 20
 
 
 def drain_to_file(
@@ -216,26 +221,28 @@ def drain_to_file(
     mask = ring.data_size - 1
     start, end = tail & mask, head & mask
     words = ring._data
-    pieces_words = (
-        [words[start // 8 : end // 8]] if end > start else [words[start // 8 :], words[: end // 8]]
-    )
-    census: list[tuple[np.ndarray, np.ndarray | None]] = []
+    records, gaps = 0, dict[int, int]()
+    slots = ring.table_size > 0
     with memoryview(ring._mm) as mapping:
         view = mapping[HEADER_SIZE : HEADER_SIZE + ring.data_size]
-        pieces = [view[start:end]] if end > start else [view[start:], view[:end]]
-        for piece, piece_words in zip(pieces, pieces_words, strict=True):
-            if packed:  # counted from what packing found, not in another pass
-                census += append_packed(fd, piece)
-            else:
-                write_all(fd, piece)
-                census.append((piece_words, None))
-            piece.release()
+        pieces = [(start, end)] if end > start else [(start, ring.data_size), (0, end)]
+        for a, b in pieces:
+            # a slice at a time, counted while the writer's words are still in the cache;
+            # slices end at multiples of DRAIN_SLICE, chunk and so record boundaries
+            at = a
+            while at < b:
+                to = min(b, (at // DRAIN_SLICE + 1) * DRAIN_SLICE)
+                piece = view[at:to]
+                if packed:
+                    append_packed(fd, piece)
+                else:
+                    write_all(fd, piece)
+                piece.release()
+                n, g = count_records(words[at // 8 : to // 8], slots=slots)
+                records += n
+                for reason, count in g.items():
+                    gaps[reason] = gaps.get(reason, 0) + count
+                at = to
         view.release()
-    records, gaps = 0, dict[int, int]()
-    for distinct, times in census:
-        n, g = count_records(distinct, times)
-        records += n
-        for reason, count in g.items():
-            gaps[reason] = gaps.get(reason, 0) + count
     reader.advance(head)
     return head - tail, records, gaps
