@@ -187,27 +187,26 @@ def count_records(words: np.ndarray, *, slots: bool = False) -> tuple[int, dict[
     """How many records (PAD excluded) `words` holds, and how many GAP records of each
     reason, without building them.  `slots`: the words come from a ring with a block table
     (two block ids to a word; a word's high slot may be empty)."""
-    w = np.asarray(words, dtype=_U64)
-    total = w.size
-    escapes = w >= ESCAPE_BIT
-    nesc = int(np.count_nonzero(escapes))
-    if slots:  # a second block in every word whose high slot is taken, payload aside
-        total += int(np.count_nonzero(w >> _U64(SLOT_BITS))) - nesc
-    if not nesc:  # the usual case: nothing but blocks
+    w = np.ascontiguousarray(words, dtype=_U64)
+    hidx = np.flatnonzero(w >= ESCAPE_BIT)
+    # with slots: every taken slot is a non-zero half; escape records' halves are taken
+    # back below (counting halves in place is 2x faster than splitting the words)
+    total = int(np.count_nonzero(w.view(np.uint32))) if slots else w.size
+    if not hidx.size:  # the usual case: nothing but blocks
         return total, {}
-    hidx = np.flatnonzero(escapes)
     headers = w[hidx]
     types = (headers >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)
     lengths = ((headers >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).astype(np.int64)
-    payload = int(lengths.sum())
-    if slots and payload:
-        at = _payload_index(hidx, lengths, w.size)
-        payload += int(np.count_nonzero(w[at] >> _U64(SLOT_BITS)))
+    if slots:
+        inside = np.concatenate([hidx, _payload_index(hidx, lengths, w.size)])
+        total += hidx.size - int(np.count_nonzero(w[inside].view(np.uint32)))
+    else:
+        total -= int(lengths.sum())
     pads = int(np.count_nonzero(types == RecordType.PAD))
     gaps: dict[int, int] = {}
     for reason in headers[types == RecordType.GAP] & _U64(ARG_MASK):
         gaps[int(reason)] = gaps.get(int(reason), 0) + 1
-    return total - payload - pads, gaps
+    return total - pads, gaps
 
 
 def _payload_index(hidx: np.ndarray, lengths: np.ndarray, n: int) -> np.ndarray:
