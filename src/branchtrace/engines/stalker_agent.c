@@ -4,33 +4,33 @@
  * Python splices this file after a prelude (libc declarations, the bt_futex_* hooks), the
  * generated BT_* definitions and bt_writer.h, so the layout has a single definition.
  *
- * Each executed block of code costs one 8-byte BLOCK record, written by a few inline
+ * Each executed block of code costs a 4-byte slot: the block's id, a number the agent gives
+ * the block when Stalker compiles it, with the block's BLOCK word in the ring's block table
+ * at that index (docs/format.md, "Block ids").  The slot is written by a few inline
  * instructions that Stalker compiles into the block itself.  Most blocks overwrite a
  * register before reading it (a mov, a pop, a load of a local), which the lookahead in
- * dead_state() proves; such a block writes its record through that register and saves
+ * dead_state() proves; such a block writes its slot through that register and saves
  * nothing.  `wp`, the thread's write pointer, is the ring header's inline_ptr, in a second
  * mapping of the header page below 2 GiB, so it is a 32-bit absolute address and a reader
  * finds where the records end after the process died (chunks are not zeroed):
  *
- *   mov    rcx, [wp]              ; the thread's write pointer
- *   mov    dword [rcx], LO        ; start | (last insn offset << 47), patched in at the end
- *   mov    dword [rcx+4], HI
- *   lea    rcx, [rcx+8]
+ *   mov    rcx, [wp]              ; the thread's write pointer, 4 bytes past the last slot
+ *   mov    qword [rcx-4], ID      ; the id, and a zero for the next slot
+ *   lea    rcx, [rcx+4]
  *   mov    [wp], rcx
  *   movzx  ecx, cx                ; low 16 bits: zero exactly at a 64 KiB chunk boundary
  *   jrcxz  slow
  *
  * With another dead register the check is `test r16, r16; jz slow`, allowed only when the
  * block also sets every status flag before testing one.  Otherwise the block saves rax and
- * rcx below the red zone and writes the same record through them, touching no flags:
+ * rcx below the red zone and writes the same slot through them, touching no flags:
  *
  *   lea    rsp, [rsp-128]
  *   push   rax
  *   push   rcx
  *   movabs rax, [wp]
- *   mov    rcx, RECORD
- *   mov    [rax], rcx
- *   lea    rax, [rax+8]
+ *   mov    qword [rax-4], ID
+ *   lea    rax, [rax+4]
  *   movabs [wp], rax
  *   movzx  ecx, ax
  *   jrcxz  slow
@@ -40,7 +40,7 @@
  * rax when the flags are free, though a microbenchmark says otherwise.)  A block may start
  * with a jcc that reads flags set by the block before, so the flags are only ever touched
  * when proven dead.  The ring's data area is mapped 64 KiB aligned, so the chunk check is
- * the movzx.  Once per 8192 records the slow path (a Stalker callout, which saves the whole
+ * the movzx.  Once per 64 KiB chunk (~16,000 slots) the slow path (a Stalker callout, which saves the whole
  * CPU context) claims the next chunk through bt_writer.h: waiting for the host in stream
  * mode, moving data_tail in wrap mode, or diverting the writes to a scratch chunk, counted
  * as lost, in drop mode.
