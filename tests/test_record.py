@@ -44,6 +44,14 @@ def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
     return int(((b["to"] == address) & (b["kind"] == BranchKind.CALL)).sum())
 
 
+def assert_counts_are_the_records(trace: TraceDir) -> None:
+    """meta.json's records per thread (what the agent counted as it wrote, or the recorder
+    counted) are exactly the records the trace holds."""
+    for tid in trace.threads():
+        words, pos = trace.words(tid)
+        assert trace.meta()["threads"][str(tid)]["records"] == parse_words(words, pos).size
+
+
 SPIN_OUTPUT = str(sum(range(1500)))
 
 
@@ -91,6 +99,7 @@ def test_fib_gives_the_exact_call_count(tmp_path, programs):
     (tid,) = trace.threads()
     fib_n_plus_1 = 10946
     assert calls_to(trace, tid, programs["fib"], "fib") == 2 * fib_n_plus_1 - 1
+    assert_counts_are_the_records(trace)
 
 
 class _Quiet:
@@ -117,6 +126,7 @@ def test_blocks_compiled_after_the_block_table_filled_are_still_exact(tmp_path, 
     with Ring.open(trace.ring_path(tid)) as ring:
         assert ring._get("table_count") == 40 and ring._get("table_spilled") > 0
     assert calls_to(trace, tid, programs["fib"], "fib") == 2 * 1597 - 1
+    assert_counts_are_the_records(trace)
 
 
 def test_registers_and_flags_that_only_look_dead_are_left_alone(tmp_path, programs):
@@ -141,6 +151,7 @@ def test_four_threads_each_give_their_exact_count(tmp_path, programs):
     assert len(trace.threads()) == 5  # main and four workers
     counts = sorted(calls_to(trace, t, programs["threads"], "g") for t in trace.threads())
     assert counts == [0, 1009, 2003, 3001, 4001]
+    assert_counts_are_the_records(trace)
     assert "5 threads" in res.stderr
 
 
@@ -163,6 +174,7 @@ def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode, tic
     assert calls_to(trace, tid, programs["crash"], "boom") == 1
     if mode == "stream":
         assert calls_to(trace, tid, programs["crash"], "tick") == ticks
+    assert_counts_are_the_records(trace)
 
 
 def test_stream_of_100m_branches_loses_nothing(tmp_path, programs):
@@ -204,6 +216,7 @@ def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs
     (tid,) = trace.threads()
     assert calls_to(trace, tid, programs["fork"], "f") == 3
     assert trace.meta()["threads"][str(tid)]["gaps"] == {"fork": 1}
+    assert_counts_are_the_records(trace)
 
 
 @pytest.mark.parametrize("mode", ["stream", "wrap"])
@@ -422,6 +435,7 @@ def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mo
     words, pos = trace.words(tid)
     recs = parse_words(words, pos)
     assert int((recs["type"] == RecordType.GAP).sum()) == 3
+    assert_counts_are_the_records(trace)
     info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
     assert "untraced stretches (GAP records): signal 3" in info.stdout
 

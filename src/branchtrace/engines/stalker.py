@@ -35,7 +35,7 @@ from ..errors import (
     PermissionDeniedError,
 )
 from ..store import Flags, Mode, Ring, RingReader
-from ..store.format import GapReason, c_writer_source
+from ..store.format import GapReason, WriterState, c_writer_source
 from ..store.records import count_records
 from ..store.tracedir import META, MODULES, SNAPSHOTS, ModuleEvent, TraceDir, drain_to_file
 from .base import (
@@ -241,6 +241,10 @@ class _Agent:
             raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
 
 
+#: the ring header's count of GAP records, by reason, that the agent keeps
+_COUNTED_GAPS = {GapReason.FORK: "counted_gap_fork", GapReason.SIGNAL: "counted_gap_signal"}
+
+
 def _table_entries(buffer_size: int) -> int:
     """Block table entries per thread: 1/64 of the ring (8 bytes an entry, so an eighth of
     its size), 4096 to 1M.  A thread rarely runs more distinct blocks than that (gzip of
@@ -255,8 +259,6 @@ class _Recording:
         self.tracedir = tracedir
         self.options = options
         self.rings: dict[int, tuple[Ring, RingReader | None, int | None]] = {}
-        self.drained: dict[int, int] = {}  #: records moved to each thread's .stream file
-        self.gaps: dict[int, dict[int, int]] = {}  #: GAP records drained, by reason
         self.switches: dict[int, SwitchRecorder] = {}
         self.thread_pid: dict[int, int] = {}  #: the process of each traced thread
         #: threads started at code in no module (Frida's own): left alone, listed in meta
@@ -422,20 +424,16 @@ class _Recording:
     def _drain_once(self, final: bool) -> int:
         moved = 0
         with self.lock:
-            rings = list(self.rings.items())
+            rings = list(self.rings.values())
             switches = list(self.switches.values())
         for recorder in switches:
             moved += recorder.poll()
-        for tid, (_ring, reader, fd) in rings:
+        for _ring, reader, fd in rings:
             if reader is not None and fd is not None:
-                nbytes, records, gaps = drain_to_file(
-                    reader, fd, final=final, packed=self.options.compress
-                )
-                moved += nbytes
-                self.drained[tid] = self.drained.get(tid, 0) + records
-                for reason, count in gaps.items():
-                    self.gaps.setdefault(tid, {})
-                    self.gaps[tid][reason] = self.gaps[tid].get(reason, 0) + count
+                # not counted here: the agent counts what it writes (see finish)
+                moved += drain_to_file(
+                    reader, fd, final=final, packed=self.options.compress, count=False
+                )[0]
         return moved
 
     def finish(self) -> dict[int, ThreadStats]:
@@ -456,9 +454,16 @@ class _Recording:
                     os.close(fd)
                 if reader is None:  # wrap: what the ring holds
                     words, _ = RingReader(ring).read_words()
-                    records, gaps = count_records(words, slots=ring.table_size > 0)
-                else:
-                    records, gaps = self.drained.get(tid, 0), self.gaps.get(tid, {})
+                    records, gaps = count_records(words, slots=True)
+                elif ring.writer_state == WriterState.CLOSED:  # counted as it was written
+                    records = ring._get("counted_records")
+                    gaps = {
+                        reason: n
+                        for reason, field in _COUNTED_GAPS.items()
+                        if (n := ring._get(field))
+                    }
+                else:  # the thread died with its ring open: count what was drained
+                    records, gaps = count_records(self.tracedir.words(tid)[0])
                 ring.close()
                 stats[tid] = ThreadStats(
                     pid=self.thread_pid[tid],

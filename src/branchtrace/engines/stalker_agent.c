@@ -77,6 +77,7 @@ typedef struct {
   uint64_t *spill;       /* (thread, BLOCK word) pairs of the blocks compiled once the
                             table was full, which a callout records */
   uint64_t spill_left;
+  uint64_t run_start;    /* where the slots written since C code last wrote begin */
 } BtThread;
 
 #define BT_MAX_THREADS 4096
@@ -105,8 +106,34 @@ static uint8_t *align_up(uint8_t *p, uint64_t a) {
 static uint64_t wp_position(BtThread *t) {
   uint64_t chunk_start = t->w.claim_end - BT_CHUNK;
   uint8_t *chunk_ptr = (uint8_t *)t->w.data + (chunk_start & t->w.mask);
-  uint64_t end = chunk_start + ((uint8_t *)WP(t) - SLOT_LEAD - chunk_ptr);
-  return (end + 7) & ~7ULL; /* a word's empty high slot was stored as zero */
+  return chunk_start + ((uint8_t *)WP(t) - SLOT_LEAD - chunk_ptr);
+}
+
+/* The records written, counted as they are written (the header's counted_* fields) so
+   that the host does not have to scan a stream's words to count them. */
+static void add_counted(BtThread *t, uint64_t n) {
+  BT_HDR64(&t->w, BT_OFF_COUNTED_RECORDS) = BT_HDR64(&t->w, BT_OFF_COUNTED_RECORDS) + n;
+}
+
+/* The slots written since run_start, up to the byte position `end`. */
+static void count_slots(BtThread *t, uint64_t end) {
+  add_counted(t, (end - t->run_start) / 4);
+}
+
+/* LOST records bt_writer.h wrote since `before` (its lost_events then). */
+static void count_lost_since(BtThread *t, uint64_t before) {
+  add_counted(t, BT_HDR64(&t->w, BT_OFF_LOST_EVENTS) - before);
+}
+
+/* Write one escape record through bt_writer.h, counted (with a LOST record it flushes
+   first).  0, or -1 if drop mode dropped it. */
+static int write_counted(BtThread *t, const uint64_t *words, unsigned n) {
+  uint64_t lost = BT_HDR64(&t->w, BT_OFF_LOST_EVENTS);
+  int dropped = bt_write(&t->w, words, n);
+  count_lost_since(t, lost);
+  if (!dropped)
+    add_counted(t, 1);
+  return dropped;
 }
 
 /* Slots the scratch chunk took while dropping. */
@@ -121,10 +148,12 @@ static void refill(BtThread *t) {
     WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
     return;
   }
+  uint64_t lost = BT_HDR64(&t->w, BT_OFF_LOST_EVENTS);
   if (t->w.pending_lost)
     ok = bt_flush_lost(&t->w, 1) == 0;
   else
     ok = bt_reserve(&t->w, 1) == 0;
+  count_lost_since(t, lost);
   if (!ok) {
     t->dropping = 1;
     WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
@@ -139,7 +168,9 @@ static void refill(BtThread *t) {
     uint64_t stamp[2] = {bt_escape(BT_RECORDTYPE_TIME, 1, 0),
                          (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK};
     bt_store(&t->w, stamp, 2);
+    add_counted(t, 1);
   }
+  t->run_start = t->w.head;
   WP(t) = (uint64_t)t->w.data + (t->w.head & t->w.mask) + SLOT_LEAD;
 }
 
@@ -149,6 +180,7 @@ static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
     if (!t->closed)
       bt_lose(&t->w, scratch_slots(t));
   } else {
+    count_slots(t, t->w.claim_end - SLOT_LEAD); /* the chunk's last slot stays empty */
     t->w.head = t->w.claim_end;
   }
   refill(t);
@@ -257,10 +289,13 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
 /* Bring the writer's head up to the inline write pointer (or count what the scratch chunk
    took while dropping), before C code writes or publishes. */
 static void sync_head(BtThread *t) {
-  if (t->dropping)
+  if (t->dropping) {
     bt_lose(&t->w, scratch_slots(t));
-  else
-    t->w.head = wp_position(t);
+  } else {
+    uint64_t end = wp_position(t);
+    count_slots(t, end);
+    t->w.head = (end + 7) & ~7ULL; /* a word's empty high slot was stored as zero */
+  }
 }
 
 /* Publish everything and let go of the ring (the thread exits, or tracing stops). */
@@ -270,7 +305,9 @@ void bt_thread_close(BtThread *t) {
   sync_head(t);
   t->closed = 1;
   WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
-  bt_writer_close(&t->w);
+  uint64_t lost = BT_HDR64(&t->w, BT_OFF_LOST_EVENTS);
+  bt_writer_close(&t->w); /* may write a last LOST record */
+  count_lost_since(t, lost);
   close(t->w.fd); /* releases the writer lock */
 }
 
@@ -289,7 +326,10 @@ void bt_thread_gap(BtThread *t, uint32_t reason) {
     return;
   sync_head(t);
   uint64_t gap = bt_escape(BT_RECORDTYPE_GAP, 0, reason);
-  bt_write(&t->w, &gap, 1);
+  if (write_counted(t, &gap, 1) == 0) {
+    uint64_t at = reason == BT_GAPREASON_FORK ? BT_OFF_COUNTED_GAP_FORK : BT_OFF_COUNTED_GAP_SIGNAL;
+    BT_HDR64(&t->w, at) = BT_HDR64(&t->w, at) + 1;
+  }
   refill(t);
 }
 
@@ -623,7 +663,7 @@ static void on_spilled_block(GumCpuContext *cpu, gpointer user_data) {
   sync_head(t);
   uint64_t far[2] = {bt_escape(BT_RECORDTYPE_BLOCK_FAR, 1, spilled[1] >> BT_BLOCK_ADDR_BITS),
                      spilled[1] & ((1ULL << BT_BLOCK_ADDR_BITS) - 1)};
-  bt_write(&t->w, far, 2);
+  write_counted(t, far, 2);
   refill(t);
 }
 

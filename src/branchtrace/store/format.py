@@ -153,7 +153,8 @@ HEADER_DTYPE = np.dtype(
             "data_tail", "tail_seq", "writer_waiting", "clear_pos",
             "lost_records", "lost_events", "writer_waits", "meta_head", "meta_lost",
             "inline_ptr", "inline_base", "table_offset", "table_size", "table_count",
-            "table_spilled",
+            "table_spilled", "counted_records", "counted_pos", "counted_gap_fork",
+            "counted_gap_signal",
         ],
         "formats": [
             "S8", "<u4", "<u4", "<u8", "<u8", "<u8",
@@ -163,6 +164,7 @@ HEADER_DTYPE = np.dtype(
             "<u8", "<u4", "<u4", "<u8",
             "<u8", "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8", "<u8", "<u8",
+            "<u8", "<u8", "<u8", "<u8",
             "<u8",
         ],
         "offsets": [
@@ -173,7 +175,8 @@ HEADER_DTYPE = np.dtype(
             _cacheline(192), 200, 204, 208,
             _cacheline(256), 264, 272, 280, 288,
             _cacheline(320), 328, 336, 344, 352,
-            360,
+            360, 368, 376, 384,
+            392,
         ],
         "itemsize": HEADER_SIZE,
     }
