@@ -8,7 +8,8 @@ on each, with the trace already in the page cache:
 
 * unpack     - reading the words back from the LZ4-packed stream file (`record`'s default;
                recorded here with --no-compress, packed in 32 MiB drains, so that the other
-               columns time decoding alone, over mapped words)
+               columns time decoding alone, over mapped words) and expanding its 4-byte
+               block ids into BLOCK words with the ring's block table
 * scan       - raw words to the block sequence (numba: interning the distinct blocks)
 * branches   - scan + decode to {from, to, kind} (capstone once per distinct block)
 * calls      - scan + the function-call history with the shadow stack (numba)
@@ -43,6 +44,7 @@ from branchtrace.analysis.decode import branches_of, scan  # noqa: E402
 from branchtrace.analysis.kernels import scan_blocks  # noqa: E402
 from branchtrace.store.packed import append_packed, read_packed  # noqa: E402
 from branchtrace.store.records import count_records  # noqa: E402
+from branchtrace.store.ring import Ring  # noqa: E402
 
 
 def parse_count(text: str) -> int:
@@ -59,15 +61,17 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
-def unpack_time(words: np.ndarray, work: Path, repeat: int) -> float:
+def unpack_time(out: Path, tid: int, work: Path, repeat: int) -> float:
+    drained = np.memmap(out / f"T{tid}.stream", dtype="<u8", mode="r")  # as the ring held them
     packed = work / "T1.stream.lz4"
     fd = os.open(packed, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    raw = memoryview(np.ascontiguousarray(words)).cast("B")
+    raw = memoryview(np.ascontiguousarray(drained)).cast("B")
     for start in range(0, len(raw), 32 << 20):
         append_packed(fd, raw[start : start + (32 << 20)])
     os.close(fd)
-    assert np.array_equal(read_packed(packed), words)
-    elapsed = best(lambda: read_packed(packed), repeat)
+    with Ring.open(out / f"T{tid}.bts") as ring:
+        assert np.array_equal(read_packed(packed), drained)
+        elapsed = best(lambda: ring.expand(read_packed(packed)), repeat)
     packed.unlink()
     return elapsed
 
@@ -92,7 +96,7 @@ def measure(name: str, out: Path, work: Path, repeat: int) -> dict:
         _ = [history.function_name(int(f)) for f in named]
 
     timings = {
-        "unpack": unpack_time(words, work, repeat),
+        "unpack": unpack_time(out, tid, work, repeat),
         "scan": best(lambda: scan_blocks(words), repeat),
         "branches": best(lambda: branches_of(scan(words, modules)), repeat),
         "calls": best(lambda: fresh().calls(tid), repeat),

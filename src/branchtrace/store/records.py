@@ -7,6 +7,7 @@ one-word BLOCK records fall out of a few vectorised passes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,6 @@ from .format import (
     META_FIXED_WORDS,
     RECORD_DTYPE,
     RING_TYPES,
-    SLOT_BITS,
     TYPE_MASK,
     TYPE_SHIFT,
     WORD,
@@ -227,45 +227,35 @@ def _slot_words(w: np.ndarray) -> np.ndarray:
     return mask
 
 
-def expand_slots(words: np.ndarray, table: np.ndarray, *, where: str = "ring") -> np.ndarray:
+def expand_slots(
+    words: np.ndarray | Sequence[np.ndarray], table: np.ndarray, *, where: str = "ring"
+) -> np.ndarray:
     """The words of a ring with a block table, with each slot's block id replaced by the
     table's BLOCK word for it (empty slots dropped) and each BLOCK_FAR record that fits a
     BLOCK word made one (what the writer records once its table is full), so that they
-    read like any ring's.
-    `words` must start on a record boundary.  Raises CorruptStoreError on an id outside
-    the table or a word with an empty low slot."""
-    w = np.ascontiguousarray(words, dtype=_U64)
-    holds = _slot_words(w)
-    sw = w[holds]
-    lo = sw & _U64(0xFFFFFFFF)
-    hi = sw >> _U64(SLOT_BITS)
+    read like any ring's.  `words` (or each of a sequence of arrays, expanded one after
+    the other into one result) must start on a record boundary.  Raises CorruptStoreError
+    on an id outside the table or a word with an empty low slot."""
+    from ._expand import expand
+
     entries = np.concatenate([np.zeros(1, _U64), table[1:]]) if table.size else np.zeros(1, _U64)
-    bad = (lo == 0) | (lo >= entries.size) | (hi >= entries.size)
-    if bad.any():
-        i = int(np.flatnonzero(holds)[np.argmax(bad)])
-        raise CorruptStoreError(
-            f"{where}: word {int(w[i]):#018x} at index {i} holds no block id of the "
-            f"{entries.size - 1}-entry block table"
-        )
-    first = entries[lo]
-    second = entries[hi]
-    if (first == 0).any() or (second[hi != 0] == 0).any():
-        raise CorruptStoreError(f"{where}: a block id names an empty table entry")
-    pairs = np.zeros((w.size, 2), _U64)
-    pairs[:, 0] = w
-    pairs[holds, 0] = first
-    pairs[holds, 1] = second
-    keep = np.zeros((w.size, 2), bool)
-    keep[:, 0] = True
-    keep[holds, 1] = hi != 0
-    # the blocks a full table could not number come as BLOCK_FAR records: BLOCK words too
-    far = np.flatnonzero(
-        (w >= ESCAPE_BIT) & (((w >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)) == RecordType.BLOCK_FAR)
-    )
-    far = far[(far + 1 < w.size)]
-    far = far[w[far + 1] <= _U64(BLOCK_ADDR_MASK)]
-    offsets = w[far] & _U64(ARG_MASK)
-    far = far[offsets <= _U64(BLOCK_OFF_MASK)]
-    pairs[far, 0] = w[far + 1] | ((w[far] & _U64(ARG_MASK)) << _U64(BLOCK_ADDR_BITS))
-    keep[far + 1, 0] = False
-    return pairs[keep]
+    if (entries[1:] == 0).any():
+        raise CorruptStoreError(f"{where}: the block table has an empty entry")
+    arrays = [
+        np.ascontiguousarray(w, dtype=_U64)
+        for w in ([words] if isinstance(words, np.ndarray) else words)
+    ]
+    # allocated once, at most two records a word: on this VM fresh pages cost more than
+    # the expanding, and pages never written are never faulted in
+    out = np.empty(2 * sum(w.size for w in arrays), _U64)
+    at = 0
+    for w in arrays:
+        end = expand(w, entries, out, at, _U64(BLOCK_ADDR_MASK), _U64(RecordType.BLOCK_FAR))
+        if end < 0:
+            i = -1 - end
+            raise CorruptStoreError(
+                f"{where}: word {int(w[i]):#018x} at index {i} holds no block id of the "
+                f"{entries.size - 1}-entry block table"
+            )
+        at = end
+    return out[:at]

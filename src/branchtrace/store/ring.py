@@ -343,12 +343,14 @@ class Ring:
         """True while some process holds the writer lock."""
         return _ofd_lock(self.fd, _WRITER_LOCK_BYTE, query=True) != 0
 
-    def expand(self, words: np.ndarray) -> np.ndarray:
+    def expand(self, words: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
         """`words` of this ring's stream (read from it or drained from it, starting at a
-        record boundary) with block ids turned into BLOCK words; as they are if the ring
-        has no block table."""
+        record boundary; or a sequence of such arrays, one after the other) with block ids
+        turned into BLOCK words; as they are if the ring has no block table."""
         if not self.table_size:
-            return words
+            if isinstance(words, np.ndarray):
+                return words
+            return np.concatenate(list(words)) if len(words) != 1 else words[0]
         table = self._table[: min(self._get("table_count"), self._table.size)]
         return expand_slots(words, table, where=str(self.path))
 

@@ -185,7 +185,7 @@ class TraceDir:
                 pos = 0
             if rest.size or not parts:
                 parts.append(rest)
-            return ring.expand(np.concatenate(parts) if len(parts) > 1 else parts[0]), pos
+            return ring.expand(parts), pos  # one copy of the words, not two
 
 
 def _is_ours(name: str) -> bool:
