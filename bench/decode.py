@@ -2,7 +2,7 @@
 
     python bench/decode.py [--records 100M]
 
-Records two traces in stream mode (a call loop of --records blocks, and gzip of a 10 MB
+Records two traces in stream mode (a call loop of --records blocks, and gzip of a 20 MB
 file, a real program with thousands of distinct blocks and deep libc code), then times,
 on each, with the trace already in the page cache:
 
@@ -126,7 +126,7 @@ def main() -> None:
         make_gzip_input(gz_input)
         workloads = {
             f"call loop ({n / 1e6:g}M blocks)": [str(bigloop), str(n // 3)],
-            "gzip 10 MB": [shutil.which("gzip") or "gzip", "-c", str(gz_input)],
+            "gzip 20 MB": [shutil.which("gzip") or "gzip", "-c", str(gz_input)],
         }
         rows = []
         for name, argv in workloads.items():

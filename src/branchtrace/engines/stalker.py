@@ -1,5 +1,6 @@
-"""The stalker engine: Frida Stalker follows every thread; a CModule transform writes one
-BLOCK record per executed block straight into the thread's ring (stalker_agent.c).
+"""The stalker engine: Frida Stalker follows every thread; a CModule transform writes a
+4-byte block id per executed block straight into the thread's ring (stalker_agent.c; the
+ids' blocks are in the ring's block table).
 
 The host creates a ring per thread in the trace directory, hands it to the agent, drains
 it to `T<tid>.stream.lz4` (or raw `T<tid>.stream`) in stream and drop modes, and collects
