@@ -129,6 +129,27 @@ def test_blocks_compiled_after_the_block_table_filled_are_still_exact(tmp_path, 
     assert_counts_are_the_records(trace)
 
 
+def test_drop_mode_counts_every_block_it_drops(tmp_path, programs):
+    """A ring too small for the drain to keep up with: the blocks kept and the blocks
+    counted as lost add up to the blocks a stream recording of the same run holds."""
+
+    def blocks(out: Path) -> tuple[int, int]:
+        trace = TraceDir.open(out)
+        (tid,) = trace.threads()
+        recs = parse_words(*trace.words(tid))
+        assert_counts_are_the_records(trace)
+        return int((recs["type"] == RecordType.BLOCK).sum()), trace.meta()["threads"][str(tid)][
+            "lost"
+        ]
+
+    argv = ["--buffer-size", "512K", "--", str(programs["fib"]), "30"]
+    assert record(tmp_path / "s", *argv).returncode == 0
+    assert record(tmp_path / "d", *argv, mode="drop").returncode == 0
+    (every, none), (kept, lost) = blocks(tmp_path / "s"), blocks(tmp_path / "d")
+    assert none == 0 and lost > 0
+    assert kept + lost == every
+
+
 def test_registers_and_flags_that_only_look_dead_are_left_alone(tmp_path, programs):
     """The record sequence uses a register or the flags unsaved only where the block
     provably overwrites them first; each case here would print another value otherwise."""
