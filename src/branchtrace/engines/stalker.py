@@ -34,6 +34,7 @@ from ..errors import (
     LaunchError,
     NoSuchProcessError,
     PermissionDeniedError,
+    StoreError,
 )
 from ..store import Flags, Mode, Ring, RingReader
 from ..store.format import GapReason, WriterState, c_writer_source
@@ -464,7 +465,11 @@ class _Recording:
                         if (n := ring._get(field))
                     }
                 else:  # the thread died with its ring open: count what was drained
-                    records, gaps = count_records(self.tracedir.words(tid)[0])
+                    try:
+                        records, gaps = count_records(self.tracedir.words(tid)[0])
+                    except StoreError as e:
+                        records, gaps = ring._get("counted_records"), {}
+                        self._error(f"thread {tid}: records not counted exactly: {e}")
                 ring.close()
                 stats[tid] = ThreadStats(
                     pid=self.thread_pid[tid],
