@@ -153,8 +153,7 @@ HEADER_DTYPE = np.dtype(
             "data_tail", "tail_seq", "writer_waiting", "clear_pos",
             "lost_records", "lost_events", "writer_waits", "meta_head", "meta_lost",
             "inline_ptr", "inline_base", "table_offset", "table_size", "table_count",
-            "table_spilled", "counted_records", "counted_pos", "counted_gap_fork",
-            "counted_gap_signal",
+            "table_spilled", "counted_records", "counted_gap_fork", "counted_gap_signal",
         ],
         "formats": [
             "S8", "<u4", "<u4", "<u8", "<u8", "<u8",
@@ -165,7 +164,6 @@ HEADER_DTYPE = np.dtype(
             "<u8", "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8", "<u8",
-            "<u8",
         ],
         "offsets": [
             0, 8, 12, 16, 24, 32,
@@ -176,7 +174,6 @@ HEADER_DTYPE = np.dtype(
             _cacheline(256), 264, 272, 280, 288,
             _cacheline(320), 328, 336, 344, 352,
             360, 368, 376, 384,
-            392,
         ],
         "itemsize": HEADER_SIZE,
     }
