@@ -25,7 +25,7 @@ from branchtrace.store import (
     parse_words,
     recovered_head,
 )
-from branchtrace.store.format import WriterState
+from branchtrace.store.format import WriterState, block_word
 
 U64 = np.uint64
 
@@ -185,8 +185,6 @@ def test_inline_pointer_ends_recovery_where_the_writer_stopped(laps, filled, new
 def test_a_block_id_ring_recovers_exactly_the_slots_before_the_pointer(laps, filled, new, far):
     """The stalker agent's layout: 4-byte block ids, each stored as 8 bytes at its pointer
     minus 4 (the id and a zero for the slot after it), over an earlier lap's stale ids."""
-    from branchtrace.store.format import block_word
-
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         ring = Ring.create(
             Path(d) / "s.bts", 64 << 10, Mode.WRAP, chunk_size=8192, table_entries=64
@@ -201,7 +199,6 @@ def test_a_block_id_ring_recovers_exactly_the_slots_before_the_pointer(laps, fil
             view = ring._data.view("<u4")
             view[at], view[at + 1] = ident, 0
 
-        pos = 0
         for lap in range(laps):  # earlier laps: the whole ring, ids 1..63 over and over
             for p in range(size // 4 - 1):
                 store(lap * size + 4 * p, 1 + p % 63)
@@ -226,13 +223,7 @@ def test_a_block_id_ring_recovers_exactly_the_slots_before_the_pointer(laps, fil
             blocks = late.expand(words[(head - at) // 8 :])
         ring.close()
     ids = [1 + (i * 7) % 63 for i in range(filled // 2 * 2, filled // 2 * 2 + new)]
-    assert blocks.tolist() == ([] if far else [int(table_entry(i)) for i in ids])
-
-
-def table_entry(ident: int) -> int:
-    from branchtrace.store.format import block_word
-
-    return block_word(0x400000 + 16 * ident)
+    assert blocks.tolist() == ([] if far else [block_word(0x400000 + 16 * i) for i in ids])
 
 
 def test_drop_mode_counts_every_lost_record_exactly(shm_dir, ring_writer):

@@ -61,8 +61,7 @@ LEN_SHIFT = 40
 LEN_MASK = 0xFFFF
 ARG_MASK = (1 << 40) - 1
 PAYLOAD_MASK = (1 << 63) - 1
-#: a slot is 32 bits, and the high slot of a word must leave bit 63 clear
-SLOT_BITS = 32
+#: block ids fill 32-bit slots, and the high slot of a word must leave bit 63 clear
 MAX_BLOCK_ID = (1 << 31) - 1
 
 

@@ -216,17 +216,6 @@ def _payload_index(hidx: np.ndarray, lengths: np.ndarray, n: int) -> np.ndarray:
     return at[at < n]
 
 
-def _slot_words(w: np.ndarray) -> np.ndarray:
-    """Mask of the words that hold block slots: neither an escape header nor payload."""
-    escapes = w >= ESCAPE_BIT
-    hidx = np.flatnonzero(escapes)
-    mask = ~escapes
-    if hidx.size:
-        lengths = ((w[hidx] >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)).astype(np.int64)
-        mask[_payload_index(hidx, lengths, w.size)] = False
-    return mask
-
-
 def expand_slots(
     words: np.ndarray | Sequence[np.ndarray], table: np.ndarray, *, where: str = "ring"
 ) -> np.ndarray:
@@ -250,7 +239,7 @@ def expand_slots(
     out = np.empty(2 * sum(w.size for w in arrays), _U64)
     at = 0
     for w in arrays:
-        end = expand(w, entries, out, at, _U64(BLOCK_ADDR_MASK), _U64(RecordType.BLOCK_FAR))
+        end = expand(w, entries, out, at)
         if end < 0:
             i = -1 - end
             raise CorruptStoreError(
