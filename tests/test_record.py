@@ -160,7 +160,9 @@ def test_registers_and_flags_that_only_look_dead_are_left_alone(tmp_path, progra
     assert res.stdout.splitlines() == native.stdout.splitlines()
     trace = TraceDir.open(tmp_path / "d")
     (tid,) = trace.threads()
-    for function in ("cmov_keeps", "carry_read", "faulting_load"):
+    assert "nothing dead 0x5556" in native.stdout  # 0x1111 + 0x2222 + carry, + 0x2222
+    assert "only flags dead 0x23331" in native.stdout
+    for function in ("cmov_keeps", "carry_read", "faulting_load", "nothing_dead"):
         assert calls_to(trace, tid, programs["regs"], function) == 1
 
 

@@ -57,6 +57,23 @@ __attribute__((noinline)) static long one_path_overwrites(void) { /* the taken o
   return r;
 }
 
+/* Blocks with no dead register at all: the recorder saves what it uses and restores it. */
+__attribute__((noinline)) static long nothing_dead(void) { /* rax, rcx and the carry read */
+  long r;
+  __asm__ volatile("mov $0x1111, %%eax\n mov $0x2222, %%ecx\n stc\n jmp 1f\n"
+                   "1: adc %%rcx, %%rax\n jmp 2f\n2: add %%rcx, %%rax\n mov %%rax, %0"
+                   : "=r"(r) : : "rax", "rcx", "cc");
+  return r;
+}
+
+__attribute__((noinline)) static long only_flags_dead(void) { /* rax and rcx read */
+  long r;
+  __asm__ volatile("mov $0x1111, %%eax\n mov $0x2222, %%ecx\n jmp 1f\n"
+                   "1: add %%rcx, %%rax\n jmp 2f\n2: sub %%rcx, %%rax\n shl $4, %%rcx\n"
+                   "add %%rcx, %%rax\n mov %%rax, %0" : "=r"(r) : : "rax", "rcx", "cc");
+  return r;
+}
+
 static sigjmp_buf recover;
 static volatile long rax_at_fault;
 
@@ -83,6 +100,8 @@ int main(void) {
   printf("inc %ld\n", inc_keeps_carry());
   printf("sete %ld\n", zero_flag_read());
   printf("one path %ld\n", one_path_overwrites());
+  printf("nothing dead %#lx\n", nothing_dead());
+  printf("only flags dead %#lx\n", only_flags_dead());
   if (sigsetjmp(recover, 1) == 0)
     faulting_load();
   printf("rax at fault %#lx\n", rax_at_fault);
