@@ -797,10 +797,11 @@ class StalkerEngine:
         forks = None
         if options.follow_fork:
             forks = _ForkFollower(device, rec, ExitWatcher())
-            forks.watch(session)
         try:
+            if forks is not None:
+                forks.watch(session)
             agent.script.exports_sync.follow_all(paths)
-        except frida.InvalidOperationError as e:  # seen once under heavy load, with forks
+        except frida.InvalidOperationError as e:  # seen under heavy load, with forks
             if forks is not None:
                 forks.close()
                 forks.watcher.close()
