@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -284,9 +285,23 @@ def test_follow_fork_still_traces_every_thread(tmp_path, programs):
     assert trace.meta()["untraced_threads"] == []
 
 
-def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, programs):
-    target = subprocess.Popen([programs["forkloop"]], stdout=subprocess.PIPE, text=True)
+@pytest.fixture
+def forkloop(programs):
+    """The forking attach target, past its "ready" line.  Afterwards its whole process group
+    is killed: a child Frida left stuck must not burn a core under the tests that follow."""
+    target = subprocess.Popen(
+        [programs["forkloop"]], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     assert target.stdout.readline().startswith("ready")
+    yield target
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(target.pid, signal.SIGKILL)
+    target.wait()
+    target.stdout.close()
+
+
+def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, programs, forkloop):
+    target = forkloop
     res = record(tmp_path / "d", "--follow-fork", "--duration", "3", "-p", str(target.pid))
     out, _ = target.communicate(timeout=30)
     assert res.returncode == 0, res.stderr
