@@ -41,14 +41,15 @@
  * slots need no nesting.  Measured inside the program (call loop, 40M calls, best of 5):
  * saving below the red zone with lea/push/pop instead took 0.135 s against 0.120 s, and
  * reading `wp` through a 32-bit absolute address in such a block instead of movabs made the
- * loop twice as slow (0.26 s), for reasons the CPU does not say.  The short sequences above
- * are not affected.  A block may start
- * with a jcc that reads flags set by the block before, so the flags are only ever touched
- * when proven dead.  The ring's data area is mapped 64 KiB aligned, so the chunk check is
- * the movzx.  Once per 64 KiB chunk (~16,000 slots) the slow path (a Stalker callout, which saves the whole
- * CPU context) claims the next chunk through bt_writer.h: waiting for the host in stream
- * mode, moving data_tail in wrap mode, or diverting the writes to a scratch chunk, counted
- * as lost, in drop mode.
+ * loop twice as slow (0.26 s), for reasons the CPU does not say; the short sequences above
+ * showed no such cost (movabs and a save in every block was slower: 0.128 s).
+ *
+ * A block may start with a jcc that reads flags set by the block before, so the flags are
+ * only ever touched when proven dead.  The ring's data area is mapped 64 KiB aligned, so
+ * the chunk check is the movzx.  Once per 64 KiB chunk (~16,000 slots) the slow path (a
+ * Stalker callout, which saves the whole CPU context) claims the next chunk through
+ * bt_writer.h: waiting for the host in stream mode, moving data_tail in wrap mode, or
+ * diverting the writes to a scratch chunk, counted as lost, in drop mode.
  *
  * data_head is published once per chunk.  The records after it are still found by a
  * reader once this process is gone (the OFD writer lock dies with it): see docs/format.md,
