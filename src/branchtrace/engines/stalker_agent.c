@@ -86,6 +86,8 @@ typedef struct {
   uint64_t run_start;    /* where the slots written since C code last wrote begin */
   uint64_t saved_rax;    /* the program's registers while a block that has no dead */
   uint64_t saved_rcx;    /* register writes its slot */
+  uint64_t pending_signal_gaps; /* handler entries whose GAP waits for the next C write */
+  volatile int in_c;     /* the thread is inside C code that moves the head or `wp` */
 } BtThread;
 
 #define BT_MAX_THREADS 4096
@@ -182,8 +184,11 @@ static void refill(BtThread *t) {
   WP(t) = (uint64_t)t->w.data + (t->w.head & t->w.mask) + SLOT_LEAD;
 }
 
+static void write_pending_gaps(BtThread *t);
+
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
+  t->in_c++;
   if (t->dropping || t->closed) {
     if (!t->closed)
       bt_lose(&t->w, scratch_slots(t));
@@ -191,7 +196,10 @@ static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
     count_slots(t, t->w.claim_end - SLOT_LEAD); /* the chunk's last slot stays empty */
     t->w.head = t->w.claim_end;
   }
+  if (!t->closed)
+    write_pending_gaps(t);
   refill(t);
+  t->in_c--;
 }
 
 static int bt_consumer_alive(struct bt_writer *w) {
@@ -294,6 +302,22 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
   return 0;
 }
 
+static void write_gap(BtThread *t, uint32_t reason) {
+  uint64_t gap = bt_escape(BT_RECORDTYPE_GAP, 0, reason);
+  if (write_counted(t, &gap, 1) == 0) {
+    uint64_t at = reason == BT_GAPREASON_FORK ? BT_OFF_COUNTED_GAP_FORK : BT_OFF_COUNTED_GAP_SIGNAL;
+    BT_HDR64(&t->w, at) = BT_HDR64(&t->w, at) + 1;
+  }
+}
+
+/* The GAPs of signal handlers entered while a record sequence was half done (see
+   bt_on_handler_entry), written at the first safe point after: here, with the head in
+   place. */
+static void write_pending_gaps(BtThread *t) {
+  for (; t->pending_signal_gaps > 0; t->pending_signal_gaps--)
+    write_gap(t, BT_GAPREASON_SIGNAL);
+}
+
 /* Bring the writer's head up to the inline write pointer (or count what the scratch chunk
    took while dropping), before C code writes or publishes. */
 static void sync_head(BtThread *t) {
@@ -304,12 +328,14 @@ static void sync_head(BtThread *t) {
     count_slots(t, end);
     t->w.head = (end + 7) & ~7ULL; /* a word's empty high slot was stored as zero */
   }
+  write_pending_gaps(t);
 }
 
 /* Publish everything and let go of the ring (the thread exits, or tracing stops). */
 void bt_thread_close(BtThread *t) {
   if (t->closed)
     return;
+  t->in_c++; /* never decremented: a handler entered after this writes nothing */
   sync_head(t);
   t->closed = 1;
   WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
@@ -332,13 +358,11 @@ static BtThread *current_thread(void) {
 void bt_thread_gap(BtThread *t, uint32_t reason) {
   if (t->closed)
     return;
+  t->in_c++;
   sync_head(t);
-  uint64_t gap = bt_escape(BT_RECORDTYPE_GAP, 0, reason);
-  if (write_counted(t, &gap, 1) == 0) {
-    uint64_t at = reason == BT_GAPREASON_FORK ? BT_OFF_COUNTED_GAP_FORK : BT_OFF_COUNTED_GAP_SIGNAL;
-    BT_HDR64(&t->w, at) = BT_HDR64(&t->w, at) + 1;
-  }
+  write_gap(t, reason);
   refill(t);
+  t->in_c--;
 }
 
 /* fork(): Frida Stalker cannot take a thread through fork() (the child dies at once), so
@@ -387,12 +411,40 @@ void bt_on_sigaction(GumInvocationContext *ic) { /* sigaction(sig, act, old) */
     note_handler(act[0]); /* sa_handler / sa_sigaction: the union at offset 0 */
 }
 
+static int read_safely(const void *addr, void *out, uint64_t n);
+
+/* The handler may have interrupted a record sequence between its read of `wp` and its
+   write of it: the sequence then resumes with the old pointer, writing over anything
+   written here and moving `wp` back.  Such a sequence holds `wp` or `wp` + 4 in a register
+   (x86-64 passes the interrupted registers' ucontext as the third argument, SA_SIGINFO or
+   not), so when a register does, the GAP waits for the next C write (the next chunk or
+   the end), counted in order but placed up to one chunk late; a program value that only
+   happens to equal `wp` costs the same, never a wrong record.  Likewise when the handler
+   interrupted the agent's own C code that moves the head or `wp` (a chunk claim, which in
+   stream mode may be waiting for the host), or a sequence whose chunk check has fired
+   (`wp` at a 64 KiB boundary; the jrcxz form has already zeroed rcx) on its way there. */
 void bt_on_handler_entry(GumInvocationContext *ic) {
   if (in_forked_child())
     return;
   BtThread *t = current_thread();
-  if (t != NULL)
-    bt_thread_gap(t, BT_GAPREASON_SIGNAL);
+  if (t == NULL || t->closed)
+    return;
+  uint64_t wp = WP(t);
+  if (t->in_c || (wp & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
+    t->pending_signal_gaps++;
+    return;
+  }
+  uint64_t gregs[15]; /* R8..R15, RDI, RSI, RBP, RBX, RDX, RAX, RCX: all but RSP */
+  uint8_t *uc = gum_invocation_context_get_nth_argument(ic, 2);
+  if (read_safely(uc + 40 /* uc_mcontext.gregs */, gregs, sizeof gregs)) {
+    for (int i = 0; i < 15; i++) {
+      if (gregs[i] == wp || gregs[i] == wp + SLOT_LEAD) {
+        t->pending_signal_gaps++;
+        return;
+      }
+    }
+  }
+  bt_thread_gap(t, BT_GAPREASON_SIGNAL);
 }
 
 /* Stalker's inline cache for indirect calls, jumps and returns holds 2 targets per site by
@@ -702,11 +754,13 @@ static void on_spilled_block(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = (BtThread *)spilled[0];
   if (t->closed)
     return;
+  t->in_c++;
   sync_head(t);
   uint64_t far[2] = {bt_escape(BT_RECORDTYPE_BLOCK_FAR, 1, spilled[1] >> BT_BLOCK_ADDR_BITS),
                      spilled[1] & ((1ULL << BT_BLOCK_ADDR_BITS) - 1)};
   write_counted(t, far, 2);
   refill(t);
+  t->in_c--;
 }
 
 static uint64_t *new_spilled(BtThread *t) {
