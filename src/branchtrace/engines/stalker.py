@@ -247,6 +247,12 @@ class _Agent:
 _COUNTED_GAPS = {GapReason.FORK: "counted_gap_fork", GapReason.SIGNAL: "counted_gap_signal"}
 
 
+def _agent_counts(ring: Ring) -> tuple[int, dict[int, int]]:
+    """The records and GAPs per reason the agent counted in the ring's header as it wrote."""
+    gaps = {reason: n for reason, field in _COUNTED_GAPS.items() if (n := ring._get(field))}
+    return ring._get("counted_records"), gaps
+
+
 def _table_entries(buffer_size: int) -> int:
     """Block table entries per thread: 1/64 of the ring (8 bytes an entry, so an eighth of
     its size), 4096 to 1M.  A thread rarely runs more distinct blocks than that (gzip of
@@ -458,17 +464,12 @@ class _Recording:
                     words, _ = RingReader(ring).read_words()
                     records, gaps = count_records(words, slots=True)
                 elif ring.writer_state == WriterState.CLOSED:  # counted as it was written
-                    records = ring._get("counted_records")
-                    gaps = {
-                        reason: n
-                        for reason, field in _COUNTED_GAPS.items()
-                        if (n := ring._get(field))
-                    }
+                    records, gaps = _agent_counts(ring)
                 else:  # the thread died with its ring open: count what was drained
                     try:
                         records, gaps = count_records(self.tracedir.words(tid)[0])
                     except StoreError as e:
-                        records, gaps = ring._get("counted_records"), {}
+                        records, gaps = _agent_counts(ring)
                         self._error(f"thread {tid}: records not counted exactly: {e}")
                 ring.close()
                 stats[tid] = ThreadStats(
