@@ -249,7 +249,7 @@ _COUNTED_GAPS = {GapReason.FORK: "counted_gap_fork", GapReason.SIGNAL: "counted_
 
 def _agent_counts(ring: Ring) -> tuple[int, dict[int, int]]:
     """The records and GAPs per reason the agent counted in the ring's header as it wrote."""
-    gaps = {reason: n for reason, field in _COUNTED_GAPS.items() if (n := ring._get(field))}
+    gaps = {int(reason): n for reason, field in _COUNTED_GAPS.items() if (n := ring._get(field))}
     return ring._get("counted_records"), gaps
 
 
