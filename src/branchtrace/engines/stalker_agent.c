@@ -675,22 +675,44 @@ static uint32_t *put_store_slot(GumX86Writer *cw, int r) {
   return imm;
 }
 
-/* After the chunk check's jrcxz/jz (which skips 5 bytes): a jmp over the callout that
-   claims the next chunk.  `label` is any address unique to this block. */
-static void put_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                          gconstpointer label) {
+/* After the chunk check's jrcxz (which skips 5 bytes): a jmp over the callout that claims
+   the next chunk.  `label` is any address unique to this block. */
+static void put_inline_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                                 gconstpointer label) {
   gum_x86_writer_put_jmp_near_label(cw, label);
   gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
   gum_x86_writer_put_label(cw, label);
 }
 
+/* The chunk check of a block whose flags are dead: `jz` to the block's tail, where
+   put_tail_slow_path() puts the callout after the block's last instruction, so the common
+   path runs straight on (a jmp over an inline callout, taken by every record, cost ~0.1 ns
+   per record, and the callout's ~100 bytes sat in the middle of the hot code).  The labels
+   are addresses unique to this block: `id` (back here) and `id + 1` (the tail). */
+static void put_jz_to_tail(GumX86Writer *cw, uint32_t *id) {
+  gum_x86_writer_put_jcc_near_label(cw, X86_INS_JE, (uint8_t *)id + 1, GUM_NO_HINT);
+  gum_x86_writer_put_label(cw, id);
+}
+
+/* After the block's last instruction.  Stalker's virtualized branch never falls through to
+   here, but a block Stalker ends early (its size limit) continues with the jmp Stalker
+   writes after this, so the tail starts by jumping there. */
+static void put_tail_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                               uint32_t *id) {
+  gum_x86_writer_put_jmp_near_label(cw, (uint8_t *)id + 2);
+  gum_x86_writer_put_label(cw, (uint8_t *)id + 1);
+  gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
+  gum_x86_writer_put_jmp_near_label(cw, id);
+  gum_x86_writer_put_label(cw, (uint8_t *)id + 2);
+}
+
 /* The record sequence that needs no saving: register r is dead at the start of the block,
    and so are the flags unless r is rcx (then the chunk check is jrcxz):
      mov r, [wp]; mov qword [r-4], ID; lea r, [r+4]; mov [wp], r
-     movzx ecx, cx; jrcxz slow       or       test r16, r16; jz slow
+     movzx ecx, cx; jrcxz slow       or       test r16, r16; jz tail
    Returns where the id goes. */
 static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                                  int r) {
+                                  int r, int flags_dead) {
   uint32_t wp32 = (uint32_t)(uint64_t)t->wpp;
   put_mov_reg_abs(cw, 0x8b, r, wp32);
   uint32_t *id = put_store_slot(cw, r);
@@ -700,16 +722,18 @@ static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw
   put_bytes(cw, &lea, 1);
   put_modrm_disp8(cw, r, r, SLOT_LEAD);
   put_mov_reg_abs(cw, 0x89, r, wp32);
-  if (r == 1) {
+  if (!flags_dead) { /* r is rcx */
     static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc9, 0xe3, 0x05};
     put_bytes(cw, movzx_jrcxz, 5);
+    put_inline_slow_path(iterator, cw, t, id);
   } else {
-    uint8_t test[6] = {0x66, 0x45 /* REX.RB */, 0x85, (uint8_t)(0xc0 | ((r & 7) << 3) | (r & 7)),
-                       0x74, 0x05 /* jz over the 5-byte jmp */};
+    uint8_t test[3] = {0x66, 0x45 /* REX.RB */, 0x85};
+    uint8_t modrm = (uint8_t)(0xc0 | ((r & 7) << 3) | (r & 7));
     put_bytes(cw, test, 1);
-    put_bytes(cw, test + (r < 8 ? 2 : 1), r < 8 ? 4 : 5); /* REX only for r8..r15 */
+    put_bytes(cw, test + (r < 8 ? 2 : 1), r < 8 ? 1 : 2); /* REX only for r8..r15 */
+    put_bytes(cw, &modrm, 1);
+    put_jz_to_tail(cw, id);
   }
-  put_slow_path(iterator, cw, t, id);
   return id;
 }
 
@@ -726,7 +750,7 @@ static uint32_t *put_saving_record(GumStalkerIterator *iterator, GumX86Writer *c
                                    int flags_dead) {
   static const uint8_t movabs_load = 0xa1, movabs_store = 0xa3;
   static const uint8_t mov_rax_rcx[] = {0x48, 0x89, 0xc8}, mov_rcx_rax[] = {0x48, 0x89, 0xc1};
-  static const uint8_t test_jz[] = {0x66, 0x85, 0xc0, 0x74, 0x05};
+  static const uint8_t test_ax[] = {0x66, 0x85, 0xc0};
   static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc8, 0xe3, 0x05};
   put_movabs(cw, movabs_store, &t->saved_rax);
   if (!flags_dead) {
@@ -737,8 +761,13 @@ static uint32_t *put_saving_record(GumStalkerIterator *iterator, GumX86Writer *c
   uint32_t *id = put_store_slot(cw, 0 /* rax */);
   gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RAX, GUM_X86_RAX, SLOT_LEAD);
   put_movabs(cw, movabs_store, t->wpp);
-  put_bytes(cw, flags_dead ? test_jz : movzx_jrcxz, 5); /* over the 5-byte jmp below */
-  put_slow_path(iterator, cw, t, id);
+  if (flags_dead) {
+    put_bytes(cw, test_ax, 3);
+    put_jz_to_tail(cw, id);
+  } else {
+    put_bytes(cw, movzx_jrcxz, 5); /* over the 5-byte jmp of the slow path */
+    put_inline_slow_path(iterator, cw, t, id);
+  }
   if (!flags_dead) {
     put_movabs(cw, movabs_load, &t->saved_rcx);
     put_bytes(cw, mov_rcx_rax, 3);
@@ -785,6 +814,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   uint32_t *slot = NULL; /* where the block id goes */
   uint64_t id = 0;
   uint64_t *spilled = NULL;
+  int tail_slow = 0; /* the record's slow path goes after the last instruction */
   uint64_t start = 0, last = 0;
   uint64_t wp_addr = (uint64_t)t->wpp;
 
@@ -813,20 +843,23 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       int flags_dead = 0;
       uint32_t dead = wp_addr < 0x80000000u ? dead_state(t, start, &flags_dead) : 0;
       int r = -1;
-      if (dead & (1u << 1))
-        r = 1; /* rcx: the chunk check is jrcxz, the flags stay untouched */
-      else if (flags_dead)
+      if (flags_dead) /* the check is test/jz to the tail: any dead register */
         for (int i = 0; i < 16 && r < 0; i++)
           if (dead & (1u << i))
             r = i;
+      else if (dead & (1u << 1))
+        r = 1; /* rcx: the check is jrcxz, the flags stay untouched */
       id = t->next_id++;
-      slot = r >= 0 ? put_short_record(iterator, cw, t, r)
+      slot = r >= 0 ? put_short_record(iterator, cw, t, r, flags_dead)
                     : put_saving_record(iterator, cw, t, flags_dead);
+      tail_slow = flags_dead;
     }
     first = 0;
     last = insn->address;
     gum_stalker_iterator_keep(iterator);
   }
+  if (tail_slow)
+    put_tail_slow_path(iterator, cw, t, slot);
   /* Stalker ends a block at every branch, so it spans a few dozen bytes: the offset of
      its last instruction always fits the 16 bits of a BLOCK word. */
   uint64_t record = start | ((last - start) << BT_BLOCK_ADDR_BITS);
