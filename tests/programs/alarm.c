@@ -1,22 +1,41 @@
 /* Timer signals that land at arbitrary instructions: calls f argv[1] times while SIGALRM
-   fires every 20 us; prints the sum and how many times the handler ran. */
+   fires every 20 us; prints the sum, how many times the handler ran, and how many of those
+   runs interrupted the main thread; then, for each of those, how many calls of f had begun
+   by then (`at`, or one fewer).  The others ran on a thread the program did not
+   create: the kernel gives a process-directed signal to any thread not blocking it when
+   the main thread already has one pending, and a tracer's agent threads count. */
+#define _GNU_SOURCE
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/time.h>
+#include <unistd.h>
 
-volatile long sink, ticks;
+#define MAX_TICKS (1 << 20)
+volatile long sink, ticks, main_ticks, at;
+static long at_tick[MAX_TICKS];
+static pid_t main_tid;
 __attribute__((noinline)) void f(long i) { sink += i; }
-static void on_alarm(int sig) { ticks++; }
+static void on_alarm(int sig) {
+  ticks++;
+  if (gettid() == main_tid && main_ticks < MAX_TICKS)
+    at_tick[main_ticks++] = at;
+}
 
 int main(int argc, char **argv) {
   long n = atol(argv[1]);
+  main_tid = gettid();
   signal(SIGALRM, on_alarm);
   struct itimerval every = {{0, 20}, {0, 20}}, off = {{0, 0}, {0, 0}};
   setitimer(ITIMER_REAL, &every, NULL);
-  for (long i = 0; i < n; i++)
+  for (long i = 0; i < n; i++) {
+    at = i + 1;
     f(i);
+  }
   setitimer(ITIMER_REAL, &off, NULL);
-  printf("%ld %ld\n", sink, ticks);
+  printf("%ld %ld %ld\n", sink, ticks, main_ticks);
+  for (long k = 0; k < main_ticks; k++)
+    printf("%ld ", at_tick[k]);
+  printf("\n");
   return 0;
 }

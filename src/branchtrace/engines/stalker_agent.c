@@ -185,6 +185,7 @@ static void refill(BtThread *t) {
 }
 
 static void write_pending_gaps(BtThread *t);
+static void leave_c(BtThread *t);
 
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
@@ -199,7 +200,7 @@ static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   if (!t->closed)
     write_pending_gaps(t);
   refill(t);
-  t->in_c--;
+  leave_c(t);
 }
 
 static int bt_consumer_alive(struct bt_writer *w) {
@@ -331,6 +332,20 @@ static void sync_head(BtThread *t) {
   write_pending_gaps(t);
 }
 
+/* The end of C code that moves the head or `wp`: the GAPs of handlers that ran meanwhile
+   (bt_on_handler_entry left them pending) go here, where they ran, since nothing was
+   written after; a handler that runs once in_c is down writes its own. */
+static void leave_c(BtThread *t) {
+  for (;;) {
+    t->in_c--;
+    if (t->pending_signal_gaps == 0 || t->closed)
+      return;
+    t->in_c++;
+    sync_head(t);
+    refill(t);
+  }
+}
+
 /* Publish everything and let go of the ring (the thread exits, or tracing stops). */
 void bt_thread_close(BtThread *t) {
   if (t->closed)
@@ -362,7 +377,7 @@ void bt_thread_gap(BtThread *t, uint32_t reason) {
   sync_head(t);
   write_gap(t, reason);
   refill(t);
-  t->in_c--;
+  leave_c(t);
 }
 
 /* fork(): Frida Stalker cannot take a thread through fork() (the child dies at once), so
@@ -413,36 +428,29 @@ void bt_on_sigaction(GumInvocationContext *ic) { /* sigaction(sig, act, old) */
 
 static int read_safely(const void *addr, void *out, uint64_t n);
 
-/* The handler may have interrupted a record sequence between its read of `wp` and its
-   write of it: the sequence then resumes with the old pointer, writing over anything
-   written here and moving `wp` back.  Such a sequence holds `wp` or `wp` + 4 in a register
-   (x86-64 passes the interrupted registers' ucontext as the third argument, SA_SIGINFO or
-   not), so when a register does, the GAP waits for the next C write (the next chunk or
-   the end), counted in order but placed up to one chunk late; a program value that only
-   happens to equal `wp` costs the same, never a wrong record.  Likewise when the handler
-   interrupted the agent's own C code that moves the head or `wp` (a chunk claim, which in
-   stream mode may be waiting for the host), or a sequence whose chunk check has fired
-   (`wp` at a 64 KiB boundary; the jrcxz form has already zeroed rcx) on its way there. */
+/* A handler entered in the middle of a record sequence (a timer signal can land anywhere),
+   after its read of `wp` and before its write of it, must not write into the ring then: the
+   sequence would resume with the old pointer, writing over the GAP and moving `wp` back.
+   finish_interrupted_record() recognises that from the interrupted registers and code and
+   completes the sequence in the signal frame (like a restartable sequence), so the GAP goes
+   exactly where the handler ran.  It waits for the next C write (the next chunk or the end:
+   counted in order, placed up to one chunk late) only when the handler interrupted the
+   agent's own C code that moves the head or `wp` (a chunk claim, which in stream mode may
+   be waiting for the host), or a sequence whose chunk check has fired (`wp` at a 64 KiB
+   boundary) on its way there. */
+static int finish_interrupted_record(BtThread *t, uint8_t *uc);
+
 void bt_on_handler_entry(GumInvocationContext *ic) {
   if (in_forked_child())
     return;
   BtThread *t = current_thread();
   if (t == NULL || t->closed)
     return;
-  uint64_t wp = WP(t);
-  if (t->in_c || (wp & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
+  if (!t->in_c) /* x86-64 passes the ucontext as the third argument, SA_SIGINFO or not */
+    finish_interrupted_record(t, gum_invocation_context_get_nth_argument(ic, 2));
+  if (t->in_c || (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
     t->pending_signal_gaps++;
     return;
-  }
-  uint64_t gregs[15]; /* R8..R15, RDI, RSI, RBP, RBX, RDX, RAX, RCX: all but RSP */
-  uint8_t *uc = gum_invocation_context_get_nth_argument(ic, 2);
-  if (read_safely(uc + 40 /* uc_mcontext.gregs */, gregs, sizeof gregs)) {
-    for (int i = 0; i < 15; i++) {
-      if (gregs[i] == wp || gregs[i] == wp + SLOT_LEAD) {
-        t->pending_signal_gaps++;
-        return;
-      }
-    }
   }
   bt_thread_gap(t, BT_GAPREASON_SIGNAL);
 }
@@ -776,6 +784,95 @@ static uint32_t *put_saving_record(GumStalkerIterator *iterator, GumX86Writer *c
   return id;
 }
 
+/* The ucontext's general registers (uc_mcontext.gregs) by x86 register number, and rip. */
+static const uint8_t greg_of[16] = {13, 14, 12, 11, 15, 10, 9, 8, 0, 1, 2, 3, 4, 5, 6, 7};
+#define GREG_RIP 16
+
+/* (CModule links no memcmp/memcpy) */
+static int same_bytes(const uint8_t *a, const uint8_t *b, unsigned n) {
+  for (unsigned i = 0; i < n; i++)
+    if (a[i] != b[i])
+      return 0;
+  return 1;
+}
+
+static void copy_bytes(void *dst, const void *src, unsigned n) {
+  for (unsigned i = 0; i < n; i++)
+    ((uint8_t *)dst)[i] = ((const uint8_t *)src)[i];
+}
+
+/* The encodings put_short_record() and put_saving_record() emit for the sequence's last
+   three instructions with register r: returns the length matched at `code`, or 0. */
+static unsigned match_slot_store(const uint8_t *code, int r) { /* mov qword [r-4], imm32 */
+  uint8_t b[5] = {(uint8_t)(0x48 | (r >> 3)), 0xc7, (uint8_t)(0x40 | (r & 7)), 0x24, 0xfc};
+  unsigned n = (r & 7) == 4 ? 5 : 4;
+  if (n == 4)
+    b[3] = 0xfc;
+  return same_bytes(code, b, n) ? n + 4 : 0;
+}
+
+static unsigned match_lea(const uint8_t *code, int r) { /* lea r, [r+4] */
+  uint8_t b[5] = {rex_w(r, r), 0x8d, (uint8_t)(0x40 | ((r & 7) << 3) | (r & 7)), 0x24, 0x04};
+  unsigned n = (r & 7) == 4 ? 5 : 4;
+  if (n == 4)
+    b[3] = 0x04;
+  if (same_bytes(code, b, n))
+    return n;
+  static const uint8_t disp32[7] = {0x48, 0x8d, 0x80, 0x04, 0, 0, 0}; /* Gum's, for rax */
+  return r == 0 && same_bytes(code, disp32, 7) ? 7 : 0;
+}
+
+static unsigned match_wp_store(const uint8_t *code, int r, BtThread *t) {
+  uint8_t b[10] = {rex_w(r, 0), 0x89, (uint8_t)(0x04 | ((r & 7) << 3)), 0x25};
+  uint32_t wp32 = (uint32_t)(uint64_t)t->wpp;
+  copy_bytes(b + 4, &wp32, 4);
+  if (same_bytes(code, b, 8))
+    return 8;
+  b[0] = 0x48; /* movabs [wp], rax */
+  b[1] = 0xa3;
+  copy_bytes(b + 2, &t->wpp, 8);
+  return r == 0 && same_bytes(code, b, 10) ? 10 : 0;
+}
+
+/* If the interrupted code is inside this thread's record sequence, between its read and
+   its write of `wp`, do the rest of it on the signal frame: store the slot, move `wp`, and
+   resume after the write (the chunk check that follows sees the moved pointer).  Returns 1
+   when it did.  The frame is only written when the code there is the sequence and the
+   register holds what the sequence would hold at that point. */
+static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
+  uint64_t gregs[17];
+  uint8_t code[32];
+  if (uc == NULL || !read_safely(uc + 40, gregs, sizeof gregs)
+      || !read_safely((void *)gregs[GREG_RIP], code, sizeof code))
+    return 0;
+  uint64_t wp = WP(t);
+  for (int r = 0; r < 16; r++) {
+    if (r == 4 /* rsp */)
+      continue;
+    uint64_t value = gregs[greg_of[r]];
+    unsigned slot = match_slot_store(code, r), lea, store;
+    if (slot && value == wp && (lea = match_lea(code + slot, r))
+        && (store = match_wp_store(code + slot + lea, r, t))) {
+      int32_t id;
+      copy_bytes(&id, code + slot - 4, 4);
+      *(uint64_t *)(value - SLOT_LEAD) = (uint64_t)(int64_t)id;
+    } else if (value == wp && (lea = match_lea(code, r)) && (store = match_wp_store(code + lea, r, t))) {
+      slot = 0;
+    } else if (value == wp + SLOT_LEAD && (store = match_wp_store(code, r, t))) {
+      slot = lea = 0;
+      value -= SLOT_LEAD;
+    } else {
+      continue;
+    }
+    value += SLOT_LEAD;
+    WP(t) = value;
+    *(uint64_t *)(uc + 40 + 8 * greg_of[r]) = value;
+    *(uint64_t *)(uc + 40 + 8 * GREG_RIP) = gregs[GREG_RIP] + slot + lea + store;
+    return 1;
+  }
+  return 0;
+}
+
 /* A block compiled once the thread's block table is full: a callout writes its BLOCK_FAR
    record through bt_writer.h (a word of the ring holds slots, never a BLOCK word). */
 static void on_spilled_block(GumCpuContext *cpu, gpointer user_data) {
@@ -789,7 +886,7 @@ static void on_spilled_block(GumCpuContext *cpu, gpointer user_data) {
                      spilled[1] & ((1ULL << BT_BLOCK_ADDR_BITS) - 1)};
   write_counted(t, far, 2);
   refill(t);
-  t->in_c--;
+  leave_c(t);
 }
 
 static uint64_t *new_spilled(BtThread *t) {
