@@ -841,10 +841,17 @@ static unsigned match_wp_store(const uint8_t *code, int r, BtThread *t) {
    register holds what the sequence would hold at that point. */
 static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
   uint64_t gregs[17];
-  uint8_t code[32];
-  if (uc == NULL || !read_safely(uc + 40, gregs, sizeof gregs)
-      || !read_safely((void *)gregs[GREG_RIP], code, sizeof code))
+  uint8_t code[32] = {0}; /* the longest sequence tail is 26 bytes */
+  if (uc == NULL || !read_safely(uc + 40, gregs, sizeof gregs))
     return 0;
+  uint64_t rip = gregs[GREG_RIP];
+  unsigned first = 4096 - (unsigned)(rip & 4095); /* the next page may not be mapped */
+  if (first > sizeof code)
+    first = sizeof code;
+  if (!read_safely((void *)rip, code, first))
+    return 0;
+  if (first < sizeof code)
+    read_safely((void *)(rip + first), code + first, sizeof code - first);
   uint64_t wp = WP(t);
   for (int r = 0; r < 16; r++) {
     if (r == 4 /* rsp */)
@@ -856,7 +863,8 @@ static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
       int32_t id;
       copy_bytes(&id, code + slot - 4, 4);
       *(uint64_t *)(value - SLOT_LEAD) = (uint64_t)(int64_t)id;
-    } else if (value == wp && (lea = match_lea(code, r)) && (store = match_wp_store(code + lea, r, t))) {
+    } else if (value == wp && (lea = match_lea(code, r))
+               && (store = match_wp_store(code + lea, r, t))) {
       slot = 0;
     } else if (value == wp + SLOT_LEAD && (store = match_wp_store(code, r, t))) {
       slot = lea = 0;
@@ -867,7 +875,7 @@ static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
     value += SLOT_LEAD;
     WP(t) = value;
     *(uint64_t *)(uc + 40 + 8 * greg_of[r]) = value;
-    *(uint64_t *)(uc + 40 + 8 * GREG_RIP) = gregs[GREG_RIP] + slot + lea + store;
+    *(uint64_t *)(uc + 40 + 8 * GREG_RIP) = rip + slot + lea + store;
     return 1;
   }
   return 0;
