@@ -489,6 +489,25 @@ def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, 
     assert off.size == gaps and ((off == 0) | (off == 1)).all(), np.unique(off)
 
 
+def test_timer_signals_over_libc_and_program_code_keep_the_trace_exact(tmp_path, programs):
+    """Timer signals landing in the record sequences of many different blocks (and so
+    registers: libc's qsort, snprintf and string code, a comparator, recursion)."""
+    exe = str(programs["alarm_mix"])
+    native = subprocess.run([exe, "500"], capture_output=True, text=True, check=True)
+    res = record(tmp_path / "d", "--", exe, "500")
+    assert res.returncode == 0, res.stderr
+    checksum, compares, main_ticks = res.stdout.split()
+    assert [checksum, compares] == native.stdout.split()[:2] and int(main_ticks) > 100
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert_counts_are_the_records(trace)
+    assert trace.meta()["threads"][str(tid)]["gaps"] == {"signal": int(main_ticks)}
+    by_value = modules(trace, tid).runtime_address("alarm_mix", "by_value")
+    b = branchtrace.open(trace.path).branches(tid)
+    into = (b["to"] == by_value) & (b["kind"] == BranchKind.INDIRECT_CALL)  # from qsort
+    assert int(into.sum()) == int(compares)
+
+
 @pytest.mark.parametrize("mode", ["wrap", "stream"])
 def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mode):
     # TODO(signal handlers): Stalker does not follow a handler the kernel enters; until it
