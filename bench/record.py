@@ -84,10 +84,14 @@ def run_ours(argv: list[str], out: Path, mode: str = "stream") -> tuple[float, i
 
 def run_uftrace(argv: list[str], out: Path, limit: float | None = None) -> float:
     """Seconds, or infinity if it did not finish within `limit`."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("uftrace-*"))
     try:
         dt, _ = timed(["uftrace", "record", "-P", ".", "-d", str(out), *argv], timeout=limit)
     except subprocess.TimeoutExpired:
         subprocess.run(["pkill", "-9", "-f", argv[0]], check=False)
+        for buffer in set(shm.glob("uftrace-*")) - before:  # a killed uftrace leaves them
+            buffer.unlink(missing_ok=True)
         return float("inf")
     return dt
 
