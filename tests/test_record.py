@@ -460,12 +460,15 @@ def test_killing_the_tool_in_stream_mode_does_not_block_the_program(tmp_path, pr
     assert out.strip() == str(n * (n - 1) // 2)
 
 
-def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, programs):
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, programs, mode):
     """A handler entered while the record sequence is between reading and writing `wp`
     must not write into the ring then (the sequence would write over it); and every
     handler run that interrupted the traced thread leaves exactly one GAP."""
-    n = 3_000_000
-    res = record(tmp_path / "d", "--", str(programs["alarm"]), str(n))
+    n = 3_000_000  # ~9M records: a 64 MiB wrap buffer keeps them all
+    res = record(
+        tmp_path / "d", "--buffer-size", "64M", "--", str(programs["alarm"]), str(n), mode=mode
+    )
     assert res.returncode == 0, res.stderr
     counts, at_tick = res.stdout.splitlines()
     total, ticks, main_ticks = map(int, counts.split())

@@ -87,7 +87,11 @@ typedef struct {
   uint64_t run_start;    /* where the slots written since C code last wrote begin */
   uint64_t saved_rax;    /* the program's registers while a block that has no dead */
   uint64_t saved_rcx;    /* register writes its slot */
-  uint64_t pending_signal_gaps; /* handler entries whose GAP waits for the next C write */
+  /* handler entries whose GAP waited for C code to finish: `due` is only written by the
+     handler entry hook, `done` only by the code it interrupts, so neither update can be
+     lost to the other (a handler runs between two instructions of a `--`) */
+  volatile uint64_t signal_gaps_due;
+  uint64_t signal_gaps_done;
   volatile int in_c;     /* the thread is inside C code that moves the head or `wp` */
 } BtThread;
 
@@ -316,8 +320,10 @@ static void write_gap(BtThread *t, uint32_t reason) {
    bt_on_handler_entry), written at the first safe point after: here, with the head in
    place. */
 static void write_pending_gaps(BtThread *t) {
-  for (; t->pending_signal_gaps > 0; t->pending_signal_gaps--)
+  while (t->signal_gaps_done != t->signal_gaps_due) {
     write_gap(t, BT_GAPREASON_SIGNAL);
+    t->signal_gaps_done++;
+  }
 }
 
 /* Bring the writer's head up to the inline write pointer (or count what the scratch chunk
@@ -339,7 +345,7 @@ static void sync_head(BtThread *t) {
 static void leave_c(BtThread *t) {
   for (;;) {
     t->in_c--;
-    if (t->pending_signal_gaps == 0 || t->closed)
+    if (t->signal_gaps_done == t->signal_gaps_due || t->closed)
       return;
     t->in_c++;
     sync_head(t);
@@ -450,7 +456,7 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
   if (!t->in_c) /* x86-64 passes the ucontext as the third argument, SA_SIGINFO or not */
     finish_interrupted_record(t, gum_invocation_context_get_nth_argument(ic, 2));
   if (t->in_c || (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
-    t->pending_signal_gaps++;
+    t->signal_gaps_due++;
     return;
   }
   bt_thread_gap(t, BT_GAPREASON_SIGNAL);
