@@ -189,7 +189,6 @@ static void refill(BtThread *t) {
   WP(t) = (uint64_t)t->w.data + (t->w.head & t->w.mask) + SLOT_LEAD;
 }
 
-static void write_pending_gaps(BtThread *t);
 static void leave_c(BtThread *t);
 
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
@@ -202,10 +201,8 @@ static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
     count_slots(t, t->w.claim_end - SLOT_LEAD); /* the chunk's last slot stays empty */
     t->w.head = t->w.claim_end;
   }
-  if (!t->closed)
-    write_pending_gaps(t);
   refill(t);
-  leave_c(t);
+  leave_c(t); /* with the due GAPs of handlers that ran before the chunk's end */
 }
 
 static int bt_consumer_alive(struct bt_writer *w) {
@@ -316,9 +313,8 @@ static void write_gap(BtThread *t, uint32_t reason) {
   }
 }
 
-/* The GAPs of signal handlers entered while a record sequence was half done (see
-   bt_on_handler_entry), written at the first safe point after: here, with the head in
-   place. */
+/* The GAPs of signal handlers that ran while this thread was in the agent's C code or
+   about to enter it (see bt_on_handler_entry), written here, with the head in place. */
 static void write_pending_gaps(BtThread *t) {
   while (t->signal_gaps_done != t->signal_gaps_due) {
     write_gap(t, BT_GAPREASON_SIGNAL);
@@ -440,11 +436,11 @@ static int read_safely(const void *addr, void *out, uint64_t n);
    sequence would resume with the old pointer, writing over the GAP and moving `wp` back.
    finish_interrupted_record() recognises that from the interrupted registers and code and
    completes the sequence in the signal frame (like a restartable sequence), so the GAP goes
-   exactly where the handler ran.  It waits for the next C write (the next chunk or the end:
-   counted in order, placed up to one chunk late) only when the handler interrupted the
-   agent's own C code that moves the head or `wp` (a chunk claim, which in stream mode may
-   be waiting for the host), or a sequence whose chunk check has fired (`wp` at a 64 KiB
-   boundary) on its way there. */
+   exactly where the handler ran.  When the handler interrupted the agent's own C code that
+   moves the head or `wp` (a chunk claim, which in stream mode may be waiting for the host),
+   or a sequence whose chunk check has fired (`wp` at a 64 KiB boundary) on its way there,
+   the GAP is left due and that C code writes it as it ends (leave_c, on_chunk_end): the
+   same place, since nothing is written in between. */
 static int finish_interrupted_record(BtThread *t, uint8_t *uc);
 
 void bt_on_handler_entry(GumInvocationContext *ic) {
@@ -659,31 +655,69 @@ static uint32_t dead_state(BtThread *t, uint64_t code, int *flags_dead) {
   return dead & ~(1u << 4 /* rsp */);
 }
 
-/* x86-64 encodings for register r (0..15) of the short sequences */
+/* x86-64 encodings of the record sequences' instructions for register r (0..15): written
+   into `b`, returning the length.  The emitters below and finish_interrupted_record(),
+   which must recognise exactly what was emitted, both use them. */
 static uint8_t rex_w(int reg, int base) { return 0x48 | ((reg >> 3) << 2) | (base >> 3); }
 
-static void put_modrm_disp8(GumX86Writer *cw, int reg, int base, uint8_t disp) {
-  uint8_t b[3] = {(uint8_t)(0x40 | ((reg & 7) << 3) | (base & 7)), 0x24, disp};
-  if ((base & 7) == 4) { /* rsp/r12 need a SIB byte */
-    put_bytes(cw, b, 3);
-  } else {
-    b[1] = disp;
-    put_bytes(cw, b, 2);
-  }
+static unsigned enc_modrm_disp8(uint8_t *b, int reg, int base, uint8_t disp) {
+  unsigned n = 0;
+  b[n++] = (uint8_t)(0x40 | ((reg & 7) << 3) | (base & 7));
+  if ((base & 7) == 4)
+    b[n++] = 0x24; /* rsp/r12 need a SIB byte */
+  b[n++] = disp;
+  return n;
+}
+
+/* mov r, [address] (0x8b) or mov [address], r (0x89), a 32-bit absolute address */
+static unsigned enc_mov_reg_abs(uint8_t *b, uint8_t opcode, int r, uint32_t address) {
+  b[0] = rex_w(r, 0);
+  b[1] = opcode;
+  b[2] = (uint8_t)(0x04 | ((r & 7) << 3));
+  b[3] = 0x25;
+  for (int i = 0; i < 4; i++)
+    b[4 + i] = (uint8_t)(address >> (8 * i));
+  return 8;
+}
+
+/* movabs rax, [address] (0xa1) or movabs [address], rax (0xa3) */
+static unsigned enc_movabs(uint8_t *b, uint8_t opcode, const void *address) {
+  b[0] = 0x48;
+  b[1] = opcode;
+  for (int i = 0; i < 8; i++)
+    b[2 + i] = (uint8_t)((uint64_t)address >> (8 * i));
+  return 10;
+}
+
+/* mov qword [r-4], imm32, without its imm32 */
+static unsigned enc_slot_store(uint8_t *b, int r) {
+  b[0] = (uint8_t)(0x48 | (r >> 3));
+  b[1] = 0xc7;
+  return 2 + enc_modrm_disp8(b + 2, 0, r, (uint8_t)-SLOT_LEAD);
+}
+
+/* lea r, [r+4] */
+static unsigned enc_lea(uint8_t *b, int r) {
+  b[0] = rex_w(r, r);
+  b[1] = 0x8d;
+  return 2 + enc_modrm_disp8(b + 2, r, r, SLOT_LEAD);
 }
 
 static void put_mov_reg_abs(GumX86Writer *cw, uint8_t opcode, int r, uint32_t address) {
-  uint8_t b[4] = {rex_w(r, 0), opcode, (uint8_t)(0x04 | ((r & 7) << 3)), 0x25};
-  put_bytes(cw, b, 4);
-  put_bytes(cw, (uint8_t *)&address, 4);
+  uint8_t b[8];
+  put_bytes(cw, b, enc_mov_reg_abs(b, opcode, r, address));
+}
+
+static void put_movabs(GumX86Writer *cw, uint8_t opcode, const void *address) {
+  uint8_t b[10];
+  put_bytes(cw, b, enc_movabs(b, opcode, address));
 }
 
 /* mov qword [r-4], imm32 (the slot's block id, and the zero of the slot after it):
    returns where the immediate is, to patch the id in once it is known */
 static uint32_t *put_store_slot(GumX86Writer *cw, int r) {
-  uint8_t op[2] = {(uint8_t)(0x48 | (r >> 3)), 0xc7};
-  put_bytes(cw, op, 2);
-  put_modrm_disp8(cw, 0, r, (uint8_t)-SLOT_LEAD);
+  uint8_t b[5];
+  put_bytes(cw, b, enc_slot_store(b, r));
   uint32_t *imm = (uint32_t *)gum_x86_writer_cur(cw);
   uint32_t zero = 0;
   put_bytes(cw, (uint8_t *)&zero, 4);
@@ -721,8 +755,8 @@ static void put_tail_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, B
   gum_x86_writer_put_label(cw, (uint8_t *)id + 2);
 }
 
-/* The record sequence that needs no saving: register r is dead at the start of the block,
-   and so are the flags unless r is rcx (then the chunk check is jrcxz):
+/* The record sequence that needs no saving: register r is dead at the start of the block;
+   the chunk check is test/jz when the flags are dead too, else r is rcx and it is jrcxz:
      mov r, [wp]; mov qword [r-4], ID; lea r, [r+4]; mov [wp], r
      movzx ecx, cx; jrcxz slow       or       test r16, r16; jz tail
    Returns where the id goes. */
@@ -731,11 +765,8 @@ static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw
   uint32_t wp32 = (uint32_t)(uint64_t)t->wpp;
   put_mov_reg_abs(cw, 0x8b, r, wp32);
   uint32_t *id = put_store_slot(cw, r);
-  uint8_t lea = 0x8d;
-  uint8_t rex = rex_w(r, r);
-  put_bytes(cw, &rex, 1);
-  put_bytes(cw, &lea, 1);
-  put_modrm_disp8(cw, r, r, SLOT_LEAD);
+  uint8_t lea[5];
+  put_bytes(cw, lea, enc_lea(lea, r));
   put_mov_reg_abs(cw, 0x89, r, wp32);
   if (!flags_dead) { /* r is rcx */
     static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc9, 0xe3, 0x05};
@@ -750,13 +781,6 @@ static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw
     put_jz_to_tail(cw, id);
   }
   return id;
-}
-
-static void put_movabs(GumX86Writer *cw, uint8_t opcode, const void *address) {
-  uint8_t op[2] = {0x48, opcode};
-  uint64_t a = (uint64_t)address;
-  put_bytes(cw, op, 2);
-  put_bytes(cw, (uint8_t *)&a, 8);
 }
 
 /* The record sequence of a block with no dead register (see the top of this file).
@@ -795,7 +819,7 @@ static uint32_t *put_saving_record(GumStalkerIterator *iterator, GumX86Writer *c
 static const uint8_t greg_of[16] = {13, 14, 12, 11, 15, 10, 9, 8, 0, 1, 2, 3, 4, 5, 6, 7};
 #define GREG_RIP 16
 
-/* (CModule links no memcmp/memcpy) */
+/* (CModule links no memcmp) */
 static int same_bytes(const uint8_t *a, const uint8_t *b, unsigned n) {
   for (unsigned i = 0; i < n; i++)
     if (a[i] != b[i])
@@ -803,42 +827,30 @@ static int same_bytes(const uint8_t *a, const uint8_t *b, unsigned n) {
   return 1;
 }
 
-static void copy_bytes(void *dst, const void *src, unsigned n) {
-  for (unsigned i = 0; i < n; i++)
-    ((uint8_t *)dst)[i] = ((const uint8_t *)src)[i];
-}
-
-/* The encodings put_short_record() and put_saving_record() emit for the sequence's last
-   three instructions with register r: returns the length matched at `code`, or 0. */
-static unsigned match_slot_store(const uint8_t *code, int r) { /* mov qword [r-4], imm32 */
-  uint8_t b[5] = {(uint8_t)(0x48 | (r >> 3)), 0xc7, (uint8_t)(0x40 | (r & 7)), 0x24, 0xfc};
-  unsigned n = (r & 7) == 4 ? 5 : 4;
-  if (n == 4)
-    b[3] = 0xfc;
+/* The length of the instruction of the sequence with register r found at `code`, or 0. */
+static unsigned match_slot_store(const uint8_t *code, int r) {
+  uint8_t b[5];
+  unsigned n = enc_slot_store(b, r);
   return same_bytes(code, b, n) ? n + 4 : 0;
 }
 
-static unsigned match_lea(const uint8_t *code, int r) { /* lea r, [r+4] */
-  uint8_t b[5] = {rex_w(r, r), 0x8d, (uint8_t)(0x40 | ((r & 7) << 3) | (r & 7)), 0x24, 0x04};
-  unsigned n = (r & 7) == 4 ? 5 : 4;
-  if (n == 4)
-    b[3] = 0x04;
+static unsigned match_lea(const uint8_t *code, int r) {
+  uint8_t b[5];
+  unsigned n = enc_lea(b, r);
   if (same_bytes(code, b, n))
     return n;
-  static const uint8_t disp32[7] = {0x48, 0x8d, 0x80, 0x04, 0, 0, 0}; /* Gum's, for rax */
-  return r == 0 && same_bytes(code, disp32, 7) ? 7 : 0;
+  /* put_saving_record() has Gum encode it, with a 32-bit displacement */
+  static const uint8_t gum_lea_rax[7] = {0x48, 0x8d, 0x80, SLOT_LEAD, 0, 0, 0};
+  return r == 0 && same_bytes(code, gum_lea_rax, 7) ? 7 : 0;
 }
 
 static unsigned match_wp_store(const uint8_t *code, int r, BtThread *t) {
-  uint8_t b[10] = {rex_w(r, 0), 0x89, (uint8_t)(0x04 | ((r & 7) << 3)), 0x25};
-  uint32_t wp32 = (uint32_t)(uint64_t)t->wpp;
-  copy_bytes(b + 4, &wp32, 4);
-  if (same_bytes(code, b, 8))
-    return 8;
-  b[0] = 0x48; /* movabs [wp], rax */
-  b[1] = 0xa3;
-  copy_bytes(b + 2, &t->wpp, 8);
-  return r == 0 && same_bytes(code, b, 10) ? 10 : 0;
+  uint8_t b[10];
+  unsigned n = enc_mov_reg_abs(b, 0x89, r, (uint32_t)(uint64_t)t->wpp);
+  if (same_bytes(code, b, n))
+    return n;
+  n = enc_movabs(b, 0xa3, t->wpp);
+  return r == 0 && same_bytes(code, b, n) ? n : 0;
 }
 
 /* If the interrupted code is inside this thread's record sequence, between its read and
@@ -867,8 +879,7 @@ static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
     unsigned slot = match_slot_store(code, r), lea, store;
     if (slot && value == wp && (lea = match_lea(code + slot, r))
         && (store = match_wp_store(code + slot + lea, r, t))) {
-      int32_t id;
-      copy_bytes(&id, code + slot - 4, 4);
+      int32_t id = *(const int32_t *)(code + slot - 4);
       *(uint64_t *)(value - SLOT_LEAD) = (uint64_t)(int64_t)id;
     } else if (value == wp && (lea = match_lea(code, r))
                && (store = match_wp_store(code + lea, r, t))) {
