@@ -6,9 +6,10 @@ For each workload, in one invocation: the native time, our stream-mode recording
 block, nothing lost), `uftrace record -P .` (Debian's uftrace: function entries only), and a
 Frida JS Stalker tracer receiving block events in onReceive (queue enlarged so that it
 loses nothing), each as wall time, slowdown against native, and events per second.
-Times are the best of --repeat runs.  Each tool's fixed start-up (spawning, injecting,
-compiling its agent) is measured on a trivial program and shown; the slowdown columns are
-(tool time - its start-up) / native time, so they compare the cost of tracing itself.
+Times are the best of --repeat runs; native, stream and wrap runs take turns.  Each
+tool's fixed start-up (spawning, injecting, compiling its agent) is measured on a trivial
+program and shown; the slowdown columns are (tool time - its start-up) / native time, so
+they compare the cost of tracing itself.
 """
 
 from __future__ import annotations
@@ -187,10 +188,16 @@ def main() -> None:
         for name, argv in workloads.items():
             if args.only and args.only != name:
                 continue
-            native = min(timed(argv)[0] for _ in range(args.repeat))
-            ours = [run_ours(argv, work / "ours") for _ in range(args.repeat)]
+            # native and traced runs take turns, so that a slow spell of the machine (this
+            # VM's speed drifts by up to 30% over minutes) falls on both sides of a ratio
+            natives, ours, wraps = [], [], []
+            for _ in range(args.repeat):
+                natives.append(timed(argv)[0])
+                ours.append(run_ours(argv, work / "ours"))
+                wraps.append(run_ours(argv, work / "wrap", "wrap")[0])
+            native = min(natives)
             ours_t, ours_n = min(ours)
-            wrap_t = min(run_ours(argv, work / "wrap", "wrap")[0] for _ in range(args.repeat))
+            wrap_t = min(wraps)
             row = {
                 "workload": name,
                 "native": native,
