@@ -407,6 +407,39 @@ def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
     assert trace.meta()["exit_code"] == 3
 
 
+def test_the_exit_watcher_knows_of_an_exec_once_it_has_the_exit_status():
+    # record decides "called exec" from this; asked before the exit status was in, it missed
+    # the exec now and then under load (the watcher's thread had not read the event yet)
+    from branchtrace.engines.procevents import ExitWatcher
+
+    def held(script: str) -> subprocess.Popen:
+        """/bin/sh, started (its own exec reported), running `script` once stdin closes"""
+        child = subprocess.Popen(
+            ["/bin/sh", "-c", f"echo; read _; {script}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        child.stdout.readline()
+        return child
+
+    execs = [held("exec /bin/sh -c 'exit 5'") for _ in range(20)]
+    plain = held("exit 4")
+    watcher = ExitWatcher()  # after each /bin/sh began: their own execs are not seen
+    try:
+        for child in [*execs, plain]:
+            child.stdin.close()
+        for child in execs:
+            assert watcher.status(child.pid, timeout=5) == 5 << 8
+            assert child.pid in watcher.execs
+        assert watcher.status(plain.pid, timeout=5) == 4 << 8
+        assert plain.pid not in watcher.execs
+    finally:
+        watcher.close()
+        for child in [*execs, plain]:
+            child.stdout.close()
+            child.wait()
+
+
 def test_sched_records_context_switches_merged_in_time_order(tmp_path, programs):
     from branchtrace.analysis import thread_records
 

@@ -9,6 +9,7 @@ recorder learns how the program ended without racing anyone.  It needs CAP_NET_A
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -21,6 +22,7 @@ _PROC_CN_MCAST_LISTEN = 1
 _PROC_EVENT_EXEC = 0x00000002
 _PROC_EVENT_EXIT = 0x80000000
 _NLMSG_HDR = 16
+_SO_RCVBUFFORCE = 33  # not in Python's socket module
 _CN_MSG_HDR = 20
 
 
@@ -34,6 +36,10 @@ class ExitWatcher:
         self._sock: socket.socket | None = None
         try:
             sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_CONNECTOR)
+            # every process of the system reports here: room for bursts while this thread
+            # waits for the GIL (SO_RCVBUFFORCE: root may exceed rmem_max)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, 4 << 20)
             sock.bind((0, _CN_IDX_PROC))
             op = struct.pack("I", _PROC_CN_MCAST_LISTEN)
             cn = struct.pack("IIIIHH", _CN_IDX_PROC, _CN_VAL_PROC, 0, 0, len(op), 0) + op
@@ -52,7 +58,9 @@ class ExitWatcher:
         while True:
             try:
                 data = self._sock.recv(65536)
-            except OSError:
+            except OSError as e:
+                if e.errno == errno.ENOBUFS:  # events of the whole system overflowed it
+                    continue
                 return
             off = 0
             while off + _NLMSG_HDR <= len(data):

@@ -704,16 +704,18 @@ class StalkerEngine:
         if forks is not None:
             forks.wait(stop, deadline)
             result.processes = forks.close()
+        with contextlib.suppress(Exception):
+            _bounded(session.detach)
+        result.threads = rec.finish()
+        # the watcher reads the exec event before the exit event (one socket, in order):
+        # once it has the exit status it knows of any exec
+        wait_status = watcher.status(pid, timeout=2) if watcher.available else None
+        watcher.close()
         if replaced.is_set() or pid in watcher.execs:
             result.warnings.append(
                 f"{argv[0]} called exec: the new program image was not traced (the trace "
                 "ends at the exec; record the new program by itself to trace it)"
             )
-        with contextlib.suppress(Exception):
-            _bounded(session.detach)
-        result.threads = rec.finish()
-        wait_status = watcher.status(pid, timeout=2) if watcher.available else None
-        watcher.close()
         if wait_status is not None:
             result.exit_code, result.signal = describe(wait_status)
         elif status:  # without root: waitid, when it won the race against Frida's reaper
