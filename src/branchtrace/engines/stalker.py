@@ -19,6 +19,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,22 @@ def _bounded(call: Any, *args: Any, timeout: float = AGENT_TIMEOUT) -> Any:
     if not ok:
         raise value
     return value
+
+
+@contextlib.contextmanager
+def _forks_held(agent: _Agent) -> Iterator[None]:
+    """The attached process's fork() calls wait at their entry (in the agent) meanwhile,
+    and none is under way: following a thread from outside while it is inside Frida's
+    fork handling, or turning child gating on while a fork is under way, crashes or
+    deadlocks the process or its child in Frida's code."""
+    exports = agent.script.exports_sync
+    try:
+        deadline = time.monotonic() + AGENT_TIMEOUT
+        while exports.hold_forks() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        yield
+    finally:
+        exports.release_forks()
 
 
 def _stuck_agent(process: str) -> str:
@@ -518,6 +535,8 @@ class _ForkFollower:
         self._queue.put(child)
 
     def watch(self, session: Any) -> None:
+        """Frida holds each child of `session`'s process before it runs.  Only while no
+        fork() is under way there: the process not running yet, or its forks held."""
         session.enable_child_gating()
         self._gating.append(session)
 
@@ -801,9 +820,20 @@ class StalkerEngine:
         if options.follow_fork:
             forks = _ForkFollower(device, rec, ExitWatcher())
         try:
-            if forks is not None:
-                forks.watch(session)
-            agent.script.exports_sync.follow_all(paths)
+            with _forks_held(agent):
+                if forks is not None:
+                    forks.watch(session)
+                waiting = agent.script.exports_sync.follow_all(paths)
+            deadline = time.monotonic() + AGENT_TIMEOUT
+            while waiting and time.monotonic() < deadline:
+                time.sleep(0.002)
+                waiting = agent.script.exports_sync.follow_all(waiting)
+            for tid in waiting:
+                rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": "inside fork()"})
+                rec._error(
+                    f"thread {tid} stayed inside fork() for {AGENT_TIMEOUT:.0f} s; not traced "
+                    "(following it there would kill its child)"
+                )
         except frida.InvalidOperationError as e:  # seen under heavy load, with forks
             if forks is not None:
                 forks.close()

@@ -105,6 +105,8 @@ typedef struct {
   BtThread *threads[BT_MAX_THREADS];
   int ic_ticket;         /* widen_inline_cache(): the thread that draws 0 does it */
   volatile int ic_done;
+  int forks_held;        /* bt_hold_forks(): fork() waits at its entry meanwhile */
+  int forks_in_flight;   /* threads between the entry and the return of fork() */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -388,13 +390,23 @@ void bt_thread_gap(BtThread *t, uint32_t reason) {
    runs natively, and afterwards the parent follows the thread again while the child lets
    go of every ring.  No JavaScript may run in a forked child (the agent's lock may be
    held by a thread the child does not have), so these hooks are C and only call the host
-   back in the traced process itself. */
+   back in the traced process itself: for every fork(), so that the host also knows which
+   threads it must not start following (stalker_agent.js). */
 extern void bt_before_fork(void);
 extern void bt_after_fork(void);
 
 void bt_on_fork_enter(GumInvocationContext *ic) {
-  if (!in_forked_child() && current_thread() != NULL)
-    bt_before_fork();
+  if (in_forked_child())
+    return;
+  /* both sides announce themselves with a locked add before they look at the other's word
+     (g_atomic_int_add: a full barrier), so either the holder sees this fork in flight or
+     this fork sees the hold */
+  while (g_atomic_int_add(&STATE->forks_in_flight, 1), g_atomic_int_add(&STATE->forks_held, 0)) {
+    g_atomic_int_add(&STATE->forks_in_flight, -1);
+    while (g_atomic_int_add(&STATE->forks_held, 0))
+      bt_futex_wait((uint32_t *)&STATE->forks_held, 1, 1000000);
+  }
+  bt_before_fork();
 }
 
 void bt_on_fork_leave(GumInvocationContext *ic) {
@@ -405,8 +417,25 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     return;
   }
-  if (!in_forked_child())
+  if (!in_forked_child()) {
     bt_after_fork();
+    g_atomic_int_add(&STATE->forks_in_flight, -1);
+  }
+}
+
+/* Frida breaks a fork() that is under way while child gating is being turned on (the child
+   dies in Frida's code), so the host holds new forks at their entry meanwhile: hold = 1
+   holds them, and returns how many are still under way (the host waits for 0); hold = 0
+   lets them go. */
+int bt_hold_forks(int hold) {
+  if (!hold) {
+    g_atomic_int_add(&STATE->forks_held, -STATE->forks_held);
+    bt_futex_wake((uint32_t *)&STATE->forks_held);
+    return 0;
+  }
+  if (!g_atomic_int_add(&STATE->forks_held, 0))
+    g_atomic_int_add(&STATE->forks_held, 1);
+  return g_atomic_int_add(&STATE->forks_in_flight, 0);
 }
 
 /* Signal handlers: the kernel enters them natively, outside Stalker's code cache, so their

@@ -8,25 +8,33 @@ const libc = (name) => Module.getGlobalExportByName(name);
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 8); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 16); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
+state.add(8 + 8 * 4096 + 8).writeU64(0); // no fork held or under way
 const GAP_FORK = 1;
-const forking = new Set(); // tids unfollowed around fork()
+// Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
+// unfollowed on the way in, followed again on the way out.  Every fork() of the traced
+// process passes here, followed or not, so that a follow asked for meanwhile (attaching
+// while the program forks) waits for the way out instead of following a thread that is
+// about to fork: its child would inherit a stalked thread and die.
+const inFork = new Set();
 const beforeFork = new NativeCallback(() => {
   const tid = Process.getCurrentThreadId();
   const t = threads.get(tid);
   if (t !== undefined) {
     threadGap(t, GAP_FORK);
     Stalker.unfollow();
-    forking.add(tid);
   }
+  inFork.add(tid);
 }, 'void', []);
 const afterFork = new NativeCallback(() => {
   const tid = Process.getCurrentThreadId();
-  if (forking.delete(tid)) {
-    Stalker.follow(tid, { transform: cm.transform, data: threads.get(tid) });
+  const t = threads.get(tid);
+  // not after stop(), which closed the rings and let go of the threads meanwhile
+  if (inFork.delete(tid) && tracing && t !== undefined) {
+    Stalker.follow(tid, { transform: cm.transform, data: t });
   }
 }, 'void', []);
 const inlineCache = new NativeCallback((entries) => {
@@ -59,6 +67,7 @@ const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'poi
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
+const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 
 const threads = new Map(); // tid -> BtThread*
 let tracing = false;
@@ -76,7 +85,7 @@ function openRing(tid, path) {
 
 function follow(tid, path) {
   const t = openRing(tid, path);
-  if (t !== null) {
+  if (t !== null && !inFork.has(tid)) { // else afterFork follows it
     Stalker.follow(tid, { transform: cm.transform, data: t });
   }
 }
@@ -176,15 +185,49 @@ for (const [index, trigger] of PARAMS.triggers.entries()) {
   });
 }
 
+// Threads inside a fork() that began before the fork hook was in place: no hook marks them,
+// so on attach a thread is looked for in fork()'s code, at its pc or up its stack.
+let forkCode = null;
+function insideFork(context) {
+  if (forkCode === null) {
+    const start = libc('fork');
+    const module = Process.findModuleByAddress(start);
+    const symbol = module === null ? undefined
+      : module.enumerateSymbols().find((s) => s.address.equals(start) && s.size > 0);
+    forkCode = { start, end: start.add(symbol === undefined ? 0 : symbol.size) };
+  }
+  const inCode = (a) => a.compare(forkCode.start) >= 0 && a.compare(forkCode.end) < 0;
+  return inCode(context.pc) || Thread.backtrace(context, Backtracer.ACCURATE).some(inCode);
+}
+
 rpc.exports = {
   threads() {
     return Process.enumerateThreads().map((t) => t.id);
   },
+  // hold new fork()s; how many are still under way
+  holdForks() {
+    return holdForks(1);
+  },
+  releaseForks() {
+    holdForks(0);
+  },
+  // Follows the threads of `paths` (tid -> ring), except those inside a fork() that began
+  // before the hook (Stalker would take them through fork() and their child would die):
+  // returns those, for the host to ask again once they are out.
   followAll(paths) {
     tracing = true;
+    const contexts = new Map(Process.enumerateThreads().map((t) => [t.id, t.context]));
+    const waiting = {};
     for (const [tid, path] of Object.entries(paths)) {
-      follow(parseInt(tid, 10), path);
+      const id = parseInt(tid, 10);
+      const context = contexts.get(id);
+      if (context !== undefined && !inFork.has(id) && insideFork(context)) {
+        waiting[tid] = path;
+      } else {
+        follow(id, path);
+      }
     }
+    return waiting;
   },
   stop() {
     tracing = false;
