@@ -824,8 +824,8 @@ class StalkerEngine:
                 if forks is not None:
                     forks.watch(session)
                 waiting = agent.script.exports_sync.follow_all(paths)
-            deadline = time.monotonic() + AGENT_TIMEOUT
-            while waiting and time.monotonic() < deadline:
+            out_of_fork_by = time.monotonic() + AGENT_TIMEOUT
+            while waiting and time.monotonic() < out_of_fork_by:
                 time.sleep(0.002)
                 waiting = agent.script.exports_sync.follow_all(waiting)
             for tid in waiting:
