@@ -348,6 +348,65 @@ def test_attached_and_stopped_inside_fork_every_child_lives_and_the_trace_is_exa
     assert_counts_are_the_records(trace)
 
 
+def test_attached_inside_a_fork_begun_before_the_agent_the_thread_is_followed_from_its_return(
+    tmp_path, programs
+):
+    # The attach lands in the first fork() (its atfork handler sleeps 1.5 s), which began
+    # before the fork hook existed: the thread is followed where that fork() returns, so the
+    # trace holds all 3 calls of f and the GAPs of the 2 later forks.  (Polling the thread
+    # until it was out, before, hung the program for good when a poll met the fork.)
+    target = subprocess.Popen(
+        [programs["slowfork"], "1500", "3"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert target.stdout.readline().startswith("ready")
+        res = record(tmp_path / "d", "--mode", "stream", "--duration", "20", "-p", str(target.pid))
+        out, _ = target.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.pid, signal.SIGKILL)
+    assert res.returncode == 0, res.stderr
+    assert out.strip() == "3 3" and target.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert trace.meta()["untraced_threads"] == [], res.stderr
+    (tid,) = trace.threads()
+    assert calls_to(trace, tid, programs["slowfork"], "f") == 3
+    assert trace.meta()["threads"][str(tid)]["gaps"].get("fork", 0) == 2
+    assert_counts_are_the_records(trace)
+
+
+def test_a_thread_inside_fork_for_the_whole_recording_is_named_untraced_and_lives(
+    tmp_path, programs
+):
+    target = subprocess.Popen(
+        [programs["slowfork"], "30000", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert target.stdout.readline().startswith("ready")
+        started = time.monotonic()
+        res = record(tmp_path / "d", "--duration", "1", "-p", str(target.pid))
+        took = time.monotonic() - started
+        assert target.poll() is None  # still inside its fork(), untouched
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.pid, signal.SIGKILL)
+        target.wait()
+        target.stdout.close()
+    assert res.returncode == 0, res.stderr
+    assert took < 15, took  # --duration is kept: nothing waits for the fork to end
+    assert "was inside fork() at the attach and was not seen coming out" in res.stderr
+    meta = TraceDir.open(tmp_path / "d").meta()
+    assert meta["untraced_threads"] == [
+        {"pid": target.pid, "tid": target.pid, "start": "inside fork(), never seen out"}
+    ]
+
+
 def test_dlopen_is_recorded_as_a_module_load(tmp_path, programs):
     res = record(tmp_path / "d", "--", str(programs["dlopen"]))
     assert res.returncode == 0 and res.stdout.strip() == "1.000"

@@ -823,17 +823,10 @@ class StalkerEngine:
             with _forks_held(agent):
                 if forks is not None:
                     forks.watch(session)
-                waiting = agent.script.exports_sync.follow_all(paths)
-            out_of_fork_by = time.monotonic() + AGENT_TIMEOUT
-            while waiting and time.monotonic() < out_of_fork_by:
-                time.sleep(0.002)
-                waiting = agent.script.exports_sync.follow_all(waiting)
-            for tid in waiting:
-                rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": "inside fork()"})
-                rec._error(
-                    f"thread {tid} stayed inside fork() for {AGENT_TIMEOUT:.0f} s; not traced "
-                    "(following it there would kill its child)"
-                )
+                untraced = agent.script.exports_sync.follow_all(paths)
+            for tid, why in untraced.items():
+                rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": why})
+                rec._error(f"thread {tid} of pid {pid} is not traced: {why}")
         except frida.InvalidOperationError as e:  # seen under heavy load, with forks
             if forks is not None:
                 forks.close()
@@ -853,7 +846,17 @@ class StalkerEngine:
             forks.watcher.close()
         if not gone.is_set():
             try:
-                far = _bounded(agent.script.exports_sync.stop).get("farBlocks", 0)
+                stopped = _bounded(agent.script.exports_sync.stop)
+                far = stopped.get("farBlocks", 0)
+                for tid in stopped.get("stillInFork", []):
+                    rec.untraced_threads.append(
+                        {"pid": pid, "tid": int(tid), "start": "inside fork(), never seen out"}
+                    )
+                    rec._error(
+                        f"thread {tid} of pid {pid} was inside fork() at the attach and was not "
+                        "seen coming out before the recording ended: not traced (following it "
+                        "inside fork() would kill its child)"
+                    )
                 if far:
                     result.warnings.append(
                         f"{far} blocks were not traced (above 2^47, or no memory for them)"

@@ -423,6 +423,16 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
   }
 }
 
+/* A thread that was inside a fork() begun before the fork hook was in place is followed
+   where that fork() returns to its caller (a probe on the return address): in the traced
+   process only, never in the child, where no JavaScript may run. */
+extern void bt_fork_returned(void);
+
+void bt_on_fork_return(GumInvocationContext *ic) {
+  if (!in_forked_child())
+    bt_fork_returned();
+}
+
 /* Frida breaks a fork() that is under way while child gating is being turned on (the child
    dies in Frida's code), so the host holds new forks at their entry meanwhile: hold = 1
    holds them, and returns how many are still under way (the host waits for 0); hold = 0

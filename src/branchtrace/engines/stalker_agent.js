@@ -37,6 +37,19 @@ const afterFork = new NativeCallback(() => {
     Stalker.follow(tid, { transform: cm.transform, data: t });
   }
 }, 'void', []);
+// Threads found inside a fork() that began before the fork hook (attaching): tid -> ring,
+// followed when that fork() returns to its caller (bt_on_fork_return).
+const returning = new Map();
+const forkReturned = new NativeCallback(() => {
+  const tid = Process.getCurrentThreadId();
+  const path = returning.get(tid);
+  if (path !== undefined) {
+    returning.delete(tid);
+    if (tracing) {
+      follow(tid, path);
+    }
+  }
+}, 'void', []);
 const inlineCache = new NativeCallback((entries) => {
   send({ type: 'inline-cache', entries });
 }, 'void', ['int']);
@@ -55,6 +68,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_state: state,
   bt_before_fork: beforeFork,
   bt_after_fork: afterFork,
+  bt_fork_returned: forkReturned,
   open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
   mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
   clock_gettime: libc('clock_gettime'), memset: libc('memset'),
@@ -186,9 +200,10 @@ for (const [index, trigger] of PARAMS.triggers.entries()) {
 }
 
 // Threads inside a fork() that began before the fork hook was in place: no hook marks them,
-// so on attach a thread is looked for in fork()'s code, at its pc or up its stack.
+// so on attach a thread is looked for in fork()'s code, at its pc or up its stack; the
+// return address of fork()'s own frame is where it comes out.
 let forkCode = null;
-function insideFork(context) {
+function forkReturnAddress(context) {
   if (forkCode === null) {
     const start = libc('fork');
     const module = Process.findModuleByAddress(start);
@@ -197,8 +212,15 @@ function insideFork(context) {
     forkCode = { start, end: start.add(symbol === undefined ? 0 : symbol.size) };
   }
   const inCode = (a) => a.compare(forkCode.start) >= 0 && a.compare(forkCode.end) < 0;
-  return inCode(context.pc) || Thread.backtrace(context, Backtracer.ACCURATE).some(inCode);
+  const frames = [context.pc, ...Thread.backtrace(context, Backtracer.ACCURATE)];
+  let last = -1;
+  frames.forEach((a, i) => { if (inCode(a)) last = i; });
+  if (last < 0) {
+    return null;
+  }
+  return last + 1 < frames.length ? frames[last + 1] : ptr(0);
 }
+const probedReturns = new Set();
 
 rpc.exports = {
   threads() {
@@ -211,26 +233,42 @@ rpc.exports = {
   releaseForks() {
     holdForks(0);
   },
-  // Follows the threads of `paths` (tid -> ring), except those inside a fork() that began
-  // before the hook (Stalker would take them through fork() and their child would die):
-  // returns those, for the host to ask again once they are out.
+  // Follows the threads of `paths` (tid -> ring).  One inside a fork() that began before
+  // the hook is followed where that fork() returns (Stalker would take it through fork()
+  // and its child would die); returns {tid: why} for those that cannot be so followed.
   followAll(paths) {
     tracing = true;
     const contexts = new Map(Process.enumerateThreads().map((t) => [t.id, t.context]));
-    const waiting = {};
+    const untraced = {};
     for (const [tid, path] of Object.entries(paths)) {
       const id = parseInt(tid, 10);
       const context = contexts.get(id);
-      if (context !== undefined && !inFork.has(id) && insideFork(context)) {
-        waiting[tid] = path;
-      } else {
+      const back = context === undefined || inFork.has(id) ? null : forkReturnAddress(context);
+      if (back === null) {
         follow(id, path);
+        continue;
+      }
+      try {
+        if (back.isNull()) {
+          throw new Error("no caller of fork() found on the thread's stack");
+        }
+        const key = back.toString();
+        if (!probedReturns.has(key)) {
+          Interceptor.attach(back, cm.bt_on_fork_return);
+          probedReturns.add(key);
+        }
+        returning.set(id, path);
+      } catch (e) {
+        untraced[tid] = `inside fork(), and its way out cannot be hooked: ${e.message}`;
       }
     }
-    return waiting;
+    return untraced;
   },
+  // Ends the recording: {farBlocks, stillInFork: tids never out of their fork()}.
   stop() {
     tracing = false;
+    const stillInFork = [...returning.keys()];
+    returning.clear();
     for (const tid of threads.keys()) {
       Stalker.unfollow(tid);
     }
@@ -242,7 +280,7 @@ rpc.exports = {
       threadClose(t);
     }
     threads.clear();
-    return { farBlocks: far };
+    return { farBlocks: far, stillInFork };
   },
 };
 
