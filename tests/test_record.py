@@ -261,6 +261,25 @@ def test_follow_fork_traces_parent_and_child_exactly(tmp_path, programs, mode):
     assert meta["threads"][str(parent)]["gaps"] == {"fork": 1}
 
 
+def test_follow_fork_the_agent_notes_what_it_would_have_sent_while_the_program_forks(
+    tmp_path, programs
+):
+    # Under child gating a message still on its way when the program forks kills the child or
+    # leaves it stuck, and each fork() starts a thread of Frida's in the parent, which the agent
+    # reported by message: now it notes that (and the inline cache) in a file read at the end.
+    res = record(tmp_path / "d", "--follow-fork", "--", str(programs["fork"]))
+    assert res.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    meta = trace.meta()
+    assert meta["inline_cache"] == 32
+    assert meta["untraced_threads"], "Frida's thread started by the fork() is listed"
+    assert {t["pid"] for t in meta["untraced_threads"]} <= {
+        meta["pid"],
+        *map(int, meta["processes"]),
+    }
+    assert not list((tmp_path / "d").glob(".agent-notes.*"))
+
+
 def test_info_names_a_forked_child_that_frida_could_not_trace(tmp_path, programs):
     res = record(tmp_path / "d", "--follow-fork", "--", str(programs["fork"]))
     assert res.returncode == 0, res.stderr

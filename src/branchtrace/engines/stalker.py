@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import queue
 import shutil
@@ -104,7 +105,6 @@ def agent_c_source() -> str:
 
 
 def agent_script(params: dict[str, Any]) -> str:
-    import json
 
     here = resources.files(__package__)
     js = here.joinpath("stalker_agent.js").read_text()
@@ -260,6 +260,9 @@ class _Agent:
             raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
 
 
+#: each agent's notes for the end of the recording (stalker_agent.js): this + its pid, in DIR
+_NOTES_FILE = ".agent-notes."
+
 #: the ring header's count of GAP records, by reason, that the agent keeps
 _COUNTED_GAPS = {GapReason.FORK: "counted_gap_fork", GapReason.SIGNAL: "counted_gap_signal"}
 
@@ -305,6 +308,7 @@ class _Recording:
             "spawn": spawn,
             "triggers": [t.__dict__ for t in self.options.triggers],
             "snapshots": self.options.snapshots,
+            "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{pid}"),
         }
         agent.script = session.create_script(agent_script(params))
         agent.script.on("message", lambda message, data: self.on_message(agent, message))
@@ -389,22 +393,35 @@ class _Recording:
                 self.snapshot(self.options.triggers[int(payload["index"])].label, tid, agent.pid)
             finally:
                 agent.script.post({"type": f"snapshot:{tid}"})
-        elif kind == "inline-cache":
-            self.inline_cache = int(payload["entries"])
-            if self.inline_cache != INLINE_CACHE:
-                self._error(
-                    "Stalker's inline cache stays at its default of 2 targets per indirect "
-                    "branch (this Frida's layout is not the one branchtrace knows): indirect "
-                    "calls with more targets are traced much more slowly"
-                )
-        elif kind == "thread-untraced":
-            self.untraced_threads.append(
-                {"pid": agent.pid, "tid": int(payload["tid"]), "start": payload["routine"]}
-            )
         elif kind == "error":
             agent.errors.append(str(payload.get("message")))
             self._error(str(payload.get("message")))
             agent.ready.set()
+
+    def read_notes(self) -> None:
+        """What each agent noted for the end (stalker_agent.js): its inline cache's entries
+        per branch, and threads left untraced because they started at code in no module
+        (Frida's own, one per fork() with --follow-fork).  The files go."""
+        for path in sorted(self.tracedir.path.glob(f"{_NOTES_FILE}*")):
+            pid = int(path.name.rsplit(".", 1)[1])
+            for line in path.read_text().splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # cut short by the agent's end
+                if event.get("type") == "inline-cache":
+                    self.inline_cache = int(event["entries"])
+                elif event.get("type") == "thread-untraced":
+                    self.untraced_threads.append(
+                        {"pid": pid, "tid": int(event["tid"]), "start": event["routine"]}
+                    )
+            path.unlink()
+        if self.inline_cache is not None and self.inline_cache != INLINE_CACHE:
+            self._error(
+                "Stalker's inline cache stays at its default of 2 targets per indirect "
+                "branch (this Frida's layout is not the one branchtrace knows): indirect "
+                "calls with more targets are traced much more slowly"
+            )
 
     def snapshot(self, label: str, tid: int, pid: int) -> None:
         """Copy the tail of every thread's ring into snapshots/N: the triggering thread waits
@@ -524,7 +541,10 @@ class _ForkFollower:
         self.ended: set[int] = set()
         self.untraced: dict[int, str] = {}  #: children Frida could not trace, and why
         self._gating: list[Any] = []  #: sessions holding their process's new children
+        self._watched: set[int] = set()  #: their processes
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closing = False
+        self._closing_lock = threading.Lock()
         # Loading an agent waits for messages that Frida's dispatch thread delivers, so
         # the children are handled on a thread of our own, never in the signal handler.
         self._worker = threading.Thread(target=self._run, name="bt-forks", daemon=True)
@@ -532,13 +552,23 @@ class _ForkFollower:
         device.on("child-added", self._on_child_added)
 
     def _on_child_added(self, child: Any) -> None:
-        self._queue.put(child)
+        with self._closing_lock:
+            if not self._closing:
+                self._queue.put(child)
+                return
+        # forked after the end: let it go untraced (not from Frida's own thread, whose
+        # calls a resume waits for)
+        threading.Thread(target=self._let_go, args=(int(child.pid),), daemon=True).start()
 
-    def watch(self, session: Any) -> None:
-        """Frida holds each child of `session`'s process before it runs.  Only while no
-        fork() is under way there: the process not running yet, or its forks held."""
+    def _let_go(self, pid: int) -> None:
+        with contextlib.suppress(Exception):
+            _bounded(self.device.resume, pid)
+
+    def watch(self, session: Any, pid: int) -> None:
+        """Frida holds each child of process `pid` (of `session`) before it runs."""
         session.enable_child_gating()
         self._gating.append(session)
+        self._watched.add(pid)
 
     def _run(self) -> None:
         while (child := self._queue.get()) is not None:
@@ -555,10 +585,10 @@ class _ForkFollower:
         try:
             session = self.device.attach(pid)
             session.on("detached", lambda reason, crash: self.ended.add(pid))
-            self.watch(session)
+            self.watch(session, pid)
             ring = self.rec.add_thread(pid, pid)
             agent = self.rec.load_agent(session, pid, spawn=False, main_ring=None)
-            _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)})
+            _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)}, False)
         except Exception as e:
             why = str(e) or type(e).__name__
             self.untraced[pid] = why
@@ -584,12 +614,22 @@ class _ForkFollower:
 
     def close(self) -> dict[int, dict[str, Any]]:
         """Stop following; detach from the children still running.  Each child's ending."""
-        # no new child is held from here on; those already held are traced and let go
+        # Children reported from here on are let go untraced; those reported before are
+        # traced first.  Only then is gating turned off: Frida lets the children it holds go
+        # at that (one would run untraced before we follow it).
+        with self._closing_lock:
+            self._closing = True
+            self._queue.put(None)
+        self._worker.join()
         for session in self._gating:
             with contextlib.suppress(Exception):
-                session.disable_child_gating()
-        self._queue.put(None)
-        self._worker.join()
+                _bounded(session.disable_child_gating)
+        # a child forked as gating went off may be held without ever being reported to us;
+        # left so, it and the parent waiting for it would hang
+        with contextlib.suppress(Exception):
+            for child in _bounded(self.device.enumerate_pending_children):
+                if int(child.parent_pid) in self._watched:
+                    self._let_go(int(child.pid))
         self.device.off("child-added", self._on_child_added)
         running = set(self.running())
         processes = {}
@@ -647,6 +687,7 @@ class StalkerEngine:
                 with contextlib.suppress(Exception):
                     rec.finish()
                 tracedir.remove()
+        rec.read_notes()
         result.warnings += rec.errors
         result.snapshots = list(rec.snapshots)
         untraced: dict[str, int] = {}
@@ -713,7 +754,7 @@ class StalkerEngine:
         forks = None
         if options.follow_fork:
             forks = _ForkFollower(device, rec, watcher)
-            forks.watch(session)
+            forks.watch(session, pid)
         deadline = None if options.duration is None else time.monotonic() + options.duration
         device.resume(pid)
         self._wait_child(pid, stop, deadline, exited, status)
@@ -817,13 +858,13 @@ class StalkerEngine:
         )
         rec.start_draining()
         forks = None
-        if options.follow_fork:
-            forks = _ForkFollower(device, rec, ExitWatcher())
         try:
+            if options.follow_fork:
+                forks = _ForkFollower(device, rec, ExitWatcher())
             with _forks_held(agent):
                 if forks is not None:
-                    forks.watch(session)
-                untraced = agent.script.exports_sync.follow_all(paths)
+                    forks.watch(session, pid)
+                untraced = agent.script.exports_sync.follow_all(paths, True)
             for tid, why in untraced.items():
                 rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": why})
                 rec._error(f"thread {tid} of pid {pid} is not traced: {why}")

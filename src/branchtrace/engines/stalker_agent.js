@@ -1,7 +1,8 @@
 'use strict';
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
-// PARAMS is prepended by the host: {cSource, mainRing, spawn, triggers, snapshots}.
+// PARAMS is prepended by the host: {cSource, mainRing, spawn, triggers, snapshots,
+// notesPath}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Asked once per compiled block (never per execution): blocks of Frida's own code, such as
@@ -50,8 +51,17 @@ const forkReturned = new NativeCallback(() => {
     }
   }
 }, 'void', []);
+// What the host reads only at the end goes to a file, one JSON object a line, rather than
+// into a message: with --follow-fork a message still on its way when the program forks kills
+// the child or leaves it stuck (its Frida delivers it over the parent's connection, which it
+// has dropped), and every fork() starts a thread of Frida's that would be reported so.
+function note(event) {
+  const file = new File(PARAMS.notesPath, 'a');
+  file.write(JSON.stringify(event) + '\n');
+  file.close();
+}
 const inlineCache = new NativeCallback((entries) => {
-  send({ type: 'inline-cache', entries });
+  note({ type: 'inline-cache', entries });
 }, 'void', ['int']);
 const hookedHandlers = new Set();
 const newHandler = new NativeCallback((handler) => {
@@ -133,7 +143,7 @@ Process.attachThreadObserver({
     // no module; a program's threads start at a function of the program or a library.
     const routine = thread.entrypoint ? thread.entrypoint.routine : null;
     if (routine !== null && Process.findModuleByAddress(routine) === null) {
-      send({ type: 'thread-untraced', tid: thread.id, routine: routine.toString() });
+      note({ type: 'thread-untraced', tid: thread.id, routine: routine.toString() });
       return;
     }
     followNewThread();
@@ -233,12 +243,15 @@ rpc.exports = {
   releaseForks() {
     holdForks(0);
   },
-  // Follows the threads of `paths` (tid -> ring).  One inside a fork() that began before
-  // the hook is followed where that fork() returns (Stalker would take it through fork()
-  // and its child would die); returns {tid: why} for those that cannot be so followed.
-  followAll(paths) {
+  // Follows the threads of `paths` (tid -> ring).  Attaching (`running`), one inside a fork()
+  // that began before the hook is followed where that fork() returns (Stalker would take it
+  // through fork() and its child would die); returns {tid: why} for those that cannot be so
+  // followed.  A forked child held by Frida is not looked at so: reading its threads' contexts
+  // (ptrace, from a helper) can hang for good on a thread of Frida's recovery from fork().
+  followAll(paths, running) {
     tracing = true;
-    const contexts = new Map(Process.enumerateThreads().map((t) => [t.id, t.context]));
+    const contexts = new Map(running
+      ? Process.enumerateThreads().map((t) => [t.id, t.context]) : []);
     const untraced = {};
     for (const [tid, path] of Object.entries(paths)) {
       const id = parseInt(tid, 10);
