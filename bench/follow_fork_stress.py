@@ -1,0 +1,97 @@
+"""Attach `record --follow-fork` to a program that forks every 50 ms, again and again, with
+busy loops on the other cores, and count what went wrong: the program must finish and count
+40 children that exited 0, and the recording must end with status 0.
+
+    python bench/follow_fork_stress.py [--runs 16] [--busy 1] [--mode stream] [--duration 3]
+
+A reliability check, not a speed one: Frida's fork handling under child gating has races
+that show only under load (see README, fork).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_once(program: Path, out: Path, mode: str, duration: float) -> str:
+    target = subprocess.Popen([program], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert target.stdout is not None
+        target.stdout.readline()  # "ready"
+        shutil.rmtree(out, ignore_errors=True)
+        command = [sys.executable, "-X", "faulthandler", "-m", "branchtrace.cli.main"]
+        command += ["record", "-o", str(out), "--follow-fork", "--mode", mode]
+        command += ["--duration", str(duration), "-p", str(target.pid)]
+        recording = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            _, said = recording.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            recording.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            _, said = recording.communicate()
+            print(said, file=sys.stderr)
+            return "the recording did not end within 120 s"
+        try:
+            printed, _ = target.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            print(said, file=sys.stderr)
+            return f"the program hung (recording status {recording.returncode})"
+        if recording.returncode != 0:
+            return f"recording status {recording.returncode}"
+        if printed.strip() != "40":
+            return f"{printed.strip() or 'no'} good children of 40"
+        return "ok"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.pid, signal.SIGKILL)
+        target.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=16)
+    parser.add_argument("--busy", type=int, default=1, help="busy loops running meanwhile")
+    parser.add_argument("--mode", default="stream", choices=["stream", "wrap"])
+    parser.add_argument("--duration", type=float, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bt-forkstress-"))
+    program = work / "forkloop"
+    subprocess.run(
+        ["gcc", "-O1", "-o", str(program), str(ROOT / "tests/programs/forkloop.c")], check=True
+    )
+    busy = [
+        subprocess.Popen(["sh", "-c", "while :; do :; done"], start_new_session=True)
+        for _ in range(args.busy)
+    ]
+    outcomes: collections.Counter[str] = collections.Counter()
+    try:
+        for n in range(args.runs):
+            started = time.monotonic()
+            outcome = run_once(program, work / "d", args.mode, args.duration)
+            outcomes[outcome] += 1
+            print(f"{n + 1:3d}  {time.monotonic() - started:5.1f} s  {outcome}", flush=True)
+    finally:
+        for loop in busy:
+            os.killpg(loop.pid, signal.SIGKILL)
+            loop.wait()
+        shutil.rmtree(work, ignore_errors=True)
+    summary = ", ".join(f"{count} {outcome}" for outcome, count in outcomes.most_common())
+    print(f"{args.runs} recordings ({args.mode}, {args.busy} busy loops): {summary}")
+    return 0 if outcomes["ok"] == args.runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
