@@ -355,6 +355,8 @@ def test_attached_and_stopped_inside_fork_every_child_lives_and_the_trace_is_exa
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(target.pid, signal.SIGKILL)
+        target.wait()
+        target.stdout.close()
     assert res.returncode == 0, res.stderr
     assert out.strip() == "20 20" and target.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")
@@ -387,6 +389,8 @@ def test_attached_inside_a_fork_begun_before_the_agent_the_thread_is_followed_fr
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(target.pid, signal.SIGKILL)
+        target.wait()
+        target.stdout.close()
     assert res.returncode == 0, res.stderr
     assert out.strip() == "3 3" and target.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")

@@ -51,18 +51,6 @@ const forkReturned = new NativeCallback(() => {
     }
   }
 }, 'void', []);
-// What the host reads only at the end goes to a file, one JSON object a line, rather than
-// into a message: with --follow-fork a message still on its way when the program forks kills
-// the child or leaves it stuck (its Frida delivers it over the parent's connection, which it
-// has dropped), and every fork() starts a thread of Frida's that would be reported so.
-function note(event) {
-  const file = new File(PARAMS.notesPath, 'a');
-  file.write(JSON.stringify(event) + '\n');
-  file.close();
-}
-const inlineCache = new NativeCallback((entries) => {
-  note({ type: 'inline-cache', entries });
-}, 'void', ['int']);
 const hookedHandlers = new Set();
 const newHandler = new NativeCallback((handler) => {
   const key = handler.toString();
@@ -74,7 +62,7 @@ const newHandler = new NativeCallback((handler) => {
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
   bt_new_handler: newHandler,
-  bt_inline_cache: inlineCache,
+  bt_notes_path: Memory.allocUtf8String(PARAMS.notesPath),
   bt_state: state,
   bt_before_fork: beforeFork,
   bt_after_fork: afterFork,
@@ -84,6 +72,13 @@ const cm = new CModule(PARAMS.cSource, {
   clock_gettime: libc('clock_gettime'), memset: libc('memset'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
+// What the host reads only at the end goes to a file, one JSON object a line (bt_note), rather
+// than into a message: with --follow-fork a message still on its way when the program forks
+// kills the child or leaves it stuck (its Frida delivers it over the parent's connection,
+// which it has dropped), and every fork() starts a thread of Frida's that would be reported
+// so.  The C side notes the inline cache itself.
+const btNote = new NativeFunction(cm.bt_note, 'void', ['pointer']);
+const note = (event) => btNote(Memory.allocUtf8String(`${JSON.stringify(event)}\n`));
 // false in a forked child that Frida's child gating keeps this script alive in
 const inTracedProcess = () => getpid() === state.readU32();
 const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
