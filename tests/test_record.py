@@ -351,7 +351,10 @@ def test_attached_and_stopped_inside_fork_every_child_lives_and_the_trace_is_exa
     try:
         assert target.stdout.readline().startswith("ready")
         res = record(tmp_path / "d", "--duration", "1", "-p", str(target.pid))
-        out, _ = target.communicate(timeout=30)
+        try:
+            out, _ = target.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the program hung after the recording, which said: {res.stderr}")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(target.pid, signal.SIGKILL)
