@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -56,14 +57,37 @@ def assert_counts_are_the_records(trace: TraceDir) -> None:
 SPIN_OUTPUT = str(sum(range(1500)))
 
 
+@contextlib.contextmanager
+def attach_target(*argv: object) -> Iterator[subprocess.Popen]:
+    """A program to attach to, past its "ready" line.  Afterwards its whole process group is
+    killed: a child Frida left stuck must not burn a core under the tests that follow."""
+    target = subprocess.Popen(
+        [str(a) for a in argv], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert target.stdout.readline().startswith("ready")
+        yield target
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(target.pid, signal.SIGKILL)
+        target.wait()
+        target.stdout.close()
+
+
+def output_after(target: subprocess.Popen, res: subprocess.CompletedProcess) -> str:
+    """What the attached program printed once it finished, within 30 s of the recording."""
+    try:
+        out, _ = target.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the program hung after the recording, which said: {res.stderr}")
+    return out
+
+
 @pytest.fixture
 def spin(programs):
     """The attach target, running and past its "ready" line; killed afterwards if alive."""
-    target = subprocess.Popen([programs["spin"]], stdout=subprocess.PIPE, text=True)
-    assert target.stdout.readline().startswith("ready")
-    yield target
-    target.kill()
-    target.communicate()
+    with attach_target(programs["spin"]) as target:
+        yield target
 
 
 def recording_of_spin(out: Path, programs) -> subprocess.Popen:
@@ -304,25 +328,10 @@ def test_follow_fork_still_traces_every_thread(tmp_path, programs):
     assert trace.meta()["untraced_threads"] == []
 
 
-@pytest.fixture
-def forkloop(programs):
-    """The forking attach target, past its "ready" line.  Afterwards its whole process group
-    is killed: a child Frida left stuck must not burn a core under the tests that follow."""
-    target = subprocess.Popen(
-        [programs["forkloop"]], stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
-    assert target.stdout.readline().startswith("ready")
-    yield target
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(target.pid, signal.SIGKILL)
-    target.wait()
-    target.stdout.close()
-
-
-def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, programs, forkloop):
-    target = forkloop
-    res = record(tmp_path / "d", "--follow-fork", "--duration", "3", "-p", str(target.pid))
-    out, _ = target.communicate(timeout=30)
+def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, programs):
+    with attach_target(programs["forkloop"]) as target:
+        res = record(tmp_path / "d", "--follow-fork", "--duration", "3", "-p", str(target.pid))
+        out = output_after(target, res)
     assert res.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")
     meta = trace.meta()
@@ -345,21 +354,9 @@ def test_attached_and_stopped_inside_fork_every_child_lives_and_the_trace_is_exa
     # the stop both land there.  A thread followed there is taken through fork() by Stalker
     # and its child dies (19 of 20 children lived, every run, before); a thread followed
     # again after the recording stopped would have no ring.
-    target = subprocess.Popen(
-        [programs["slowfork"]], stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        assert target.stdout.readline().startswith("ready")
+    with attach_target(programs["slowfork"]) as target:
         res = record(tmp_path / "d", "--duration", "1", "-p", str(target.pid))
-        try:
-            out, _ = target.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the program hung after the recording, which said: {res.stderr}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(target.pid, signal.SIGKILL)
-        target.wait()
-        target.stdout.close()
+        out = output_after(target, res)
     assert res.returncode == 0, res.stderr
     assert out.strip() == "20 20" and target.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")
@@ -379,21 +376,9 @@ def test_attached_inside_a_fork_begun_before_the_agent_the_thread_is_followed_fr
     # before the fork hook existed: the thread is followed where that fork() returns, so the
     # trace holds all 3 calls of f and the GAPs of the 2 later forks.  (Polling the thread
     # until it was out, before, hung the program for good when a poll met the fork.)
-    target = subprocess.Popen(
-        [programs["slowfork"], "1500", "3"],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert target.stdout.readline().startswith("ready")
+    with attach_target(programs["slowfork"], 1500, 3) as target:
         res = record(tmp_path / "d", "--mode", "stream", "--duration", "20", "-p", str(target.pid))
-        out, _ = target.communicate(timeout=30)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(target.pid, signal.SIGKILL)
-        target.wait()
-        target.stdout.close()
+        out = output_after(target, res)
     assert res.returncode == 0, res.stderr
     assert out.strip() == "3 3" and target.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")
@@ -407,23 +392,11 @@ def test_attached_inside_a_fork_begun_before_the_agent_the_thread_is_followed_fr
 def test_a_thread_inside_fork_for_the_whole_recording_is_named_untraced_and_lives(
     tmp_path, programs
 ):
-    target = subprocess.Popen(
-        [programs["slowfork"], "30000", "1"],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert target.stdout.readline().startswith("ready")
+    with attach_target(programs["slowfork"], 30000, 1) as target:
         started = time.monotonic()
         res = record(tmp_path / "d", "--duration", "1", "-p", str(target.pid))
         took = time.monotonic() - started
         assert target.poll() is None  # still inside its fork(), untouched
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(target.pid, signal.SIGKILL)
-        target.wait()
-        target.stdout.close()
     assert res.returncode == 0, res.stderr
     assert took < 15, took  # --duration is kept: nothing waits for the fork to end
     assert "was inside fork() at the attach and was not seen coming out" in res.stderr

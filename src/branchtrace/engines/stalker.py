@@ -105,7 +105,6 @@ def agent_c_source() -> str:
 
 
 def agent_script(params: dict[str, Any]) -> str:
-
     here = resources.files(__package__)
     js = here.joinpath("stalker_agent.js").read_text()
     find_main = here.joinpath("find_main.js").read_text()

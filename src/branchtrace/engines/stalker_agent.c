@@ -531,24 +531,9 @@ void bt_note(const char *line) {
   close(fd);
 }
 
-static void note_inline_cache(int entries) {
-  char line[64] = "{\"type\": \"inline-cache\", \"entries\": ";
-  int n = 0;
-  while (line[n] != 0)
-    n++;
-  char digits[12];
-  int d = 0;
-  do {
-    digits[d++] = (char)('0' + entries % 10);
-    entries /= 10;
-  } while (entries > 0 && d < 11);
-  while (d > 0)
-    line[n++] = digits[--d];
-  line[n++] = '}';
-  line[n++] = '\n';
-  line[n] = 0;
-  bt_note(line);
-}
+#define BT_STRING(x) #x
+#define BT_NUMBER(x) BT_STRING(x)
+#define BT_IC_NOTE(entries) "{\"type\": \"inline-cache\", \"entries\": " entries "}\n"
 
 static void widen_inline_cache(GumStalkerIterator *iterator) {
   if (STATE->ic_done)
@@ -571,7 +556,7 @@ static void widen_inline_cache(GumStalkerIterator *iterator) {
     entries = BT_IC_ENTRIES;
   }
   STATE->ic_done = 1;
-  note_inline_cache(entries);
+  bt_note(entries == BT_IC_ENTRIES ? BT_IC_NOTE(BT_NUMBER(BT_IC_ENTRIES)) : BT_IC_NOTE("2"));
 }
 
 static void put_bytes(GumX86Writer *cw, const uint8_t *bytes, unsigned n) {
