@@ -1,11 +1,15 @@
 """Attach `record --follow-fork` to a program that forks every 50 ms, again and again, with
 busy loops on the other cores, and count what went wrong: the program must finish and count
-40 children that exited 0, and the recording must end with status 0.
+all its children (40) exiting 0, and the recording must end with status 0.
 
     python bench/follow_fork_stress.py [--runs 16] [--busy 1] [--mode stream] [--duration 3]
+        [--rounds 40] [--pause-ms 50] [--no-follow-fork]
 
 A reliability check, not a speed one: Frida's fork handling under child gating has races
-that show only under load (see README, fork).
+that show only under load (see README, fork).  `--rounds 400 --pause-ms 2 --no-follow-fork`
+shows another one: a child forked while Frida is injected and the agent loads can be left
+spinning in its _exit() (a program that waits for it hangs); the state of every child of a
+hung program is printed.
 """
 
 from __future__ import annotations
@@ -25,15 +29,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_once(program: Path, out: Path, mode: str, duration: float) -> str:
-    target = subprocess.Popen([program], stdout=subprocess.PIPE, text=True, start_new_session=True)
+def children_states(pid: int) -> str:
+    """Each child of `pid`: its pid, state (R: running) and where it waits."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return ", ".join(
+            f"{kid} {Path(f'/proc/{kid}/stat').read_text().split()[2]} "
+            f"{Path(f'/proc/{kid}/wchan').read_text() or '-'}"
+            for kid in kids
+        )
+    except OSError as e:
+        return str(e)
+
+
+def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
+    target = subprocess.Popen(
+        [program, str(args.rounds), str(int(args.pause_ms * 1000))],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert target.stdout is not None
         target.stdout.readline()  # "ready"
         shutil.rmtree(out, ignore_errors=True)
         command = [sys.executable, "-X", "faulthandler", "-m", "branchtrace.cli.main"]
-        command += ["record", "-o", str(out), "--follow-fork", "--mode", mode]
-        command += ["--duration", str(duration), "-p", str(target.pid)]
+        command += ["record", "-o", str(out), "--mode", args.mode]
+        command += [] if args.no_follow_fork else ["--follow-fork"]
+        command += ["--duration", str(args.duration), "-p", str(target.pid)]
         recording = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -48,11 +71,12 @@ def run_once(program: Path, out: Path, mode: str, duration: float) -> str:
             printed, _ = target.communicate(timeout=15)
         except subprocess.TimeoutExpired:
             print(said, file=sys.stderr)
-            return f"the program hung (recording status {recording.returncode})"
+            status, children = recording.returncode, children_states(target.pid)
+            return f"the program hung (recording status {status}; children: {children})"
         if recording.returncode != 0:
             return f"recording status {recording.returncode}"
-        if printed.strip() != "40":
-            return f"{printed.strip() or 'no'} good children of 40"
+        if printed.strip() != str(args.rounds):
+            return f"{printed.strip() or 'no'} good children of {args.rounds}"
         return "ok"
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -66,6 +90,9 @@ def main() -> int:
     parser.add_argument("--busy", type=int, default=1, help="busy loops running meanwhile")
     parser.add_argument("--mode", default="stream", choices=["stream", "wrap"])
     parser.add_argument("--duration", type=float, default=3)
+    parser.add_argument("--rounds", type=int, default=40, help="children the program forks")
+    parser.add_argument("--pause-ms", type=float, default=50, help="between two forks")
+    parser.add_argument("--no-follow-fork", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bt-forkstress-"))
     program = work / "forkloop"
@@ -80,8 +107,8 @@ def main() -> int:
     try:
         for n in range(args.runs):
             started = time.monotonic()
-            outcome = run_once(program, work / "d", args.mode, args.duration)
-            outcomes[outcome] += 1
+            outcome = run_once(program, work / "d", args)
+            outcomes[outcome.split(" (")[0]] += 1
             print(f"{n + 1:3d}  {time.monotonic() - started:5.1f} s  {outcome}", flush=True)
     finally:
         for loop in busy:
@@ -89,7 +116,11 @@ def main() -> int:
             loop.wait()
         shutil.rmtree(work, ignore_errors=True)
     summary = ", ".join(f"{count} {outcome}" for outcome, count in outcomes.most_common())
-    print(f"{args.runs} recordings ({args.mode}, {args.busy} busy loops): {summary}")
+    follow = "" if args.no_follow_fork else ", --follow-fork"
+    print(
+        f"{args.runs} recordings ({args.mode}{follow}, {args.busy} busy loops, a fork every "
+        f"{args.pause_ms:g} ms): {summary}"
+    )
     return 0 if outcomes["ok"] == args.runs else 1
 
 

@@ -1,17 +1,21 @@
-/* An attach target that forks: says "ready", then 40 times, 50 ms apart, forks a child
-   that calls f exactly 7 times and exits 0; prints how many children exited 0. */
+/* An attach target that forks: says "ready", then ROUNDS times (40), PAUSE_US microseconds
+   (50000) apart, forks a child that calls f exactly 7 times and exits 0; prints how many
+   children exited 0. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 volatile long sink;
 __attribute__((noinline)) void f(int i) { sink += i; }
 
-int main(void) {
+int main(int argc, char **argv) {
+  int rounds = argc > 1 ? atoi(argv[1]) : 40;
+  int pause_us = argc > 2 ? atoi(argv[2]) : 50000;
   printf("ready %d\n", getpid());
   fflush(stdout);
   int ok = 0;
-  for (int round = 0; round < 40; round++) {
+  for (int round = 0; round < rounds; round++) {
     pid_t child = fork();
     if (child == 0) {
       for (int i = 0; i < 7; i++) f(i);
@@ -20,7 +24,7 @@ int main(void) {
     int status;
     waitpid(child, &status, 0);
     ok += WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    usleep(50000);
+    usleep(pause_us);
   }
   printf("%d\n", ok);
   return 0;
