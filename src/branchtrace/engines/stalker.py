@@ -79,6 +79,7 @@ extern int munmap(void *addr, unsigned long len);
 extern int getpid(void);
 extern int clock_gettime(int clock, long *ts);
 extern void *memset(void *s, int c, unsigned long n);
+extern unsigned long strlen(const char *s);
 #define BT_IC_ENTRIES INLINE_CACHE
 struct bt_flock { short l_type; short l_whence; long l_start; long l_len; int l_pid; };
 static void bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns) {

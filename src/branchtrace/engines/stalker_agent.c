@@ -497,16 +497,6 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
   bt_thread_gap(t, BT_GAPREASON_SIGNAL);
 }
 
-/* Stalker's inline cache for indirect calls, jumps and returns holds 2 targets per site by
-   default and replaces the oldest on a miss, so a site with more targets (a dispatch table, a
-   virtual call, a comparator shared by sorts) misses every time and takes Stalker's slow path:
-   measured, 60M calls through a 4-entry table took 8.8 s instead of 0.30 s with 32 entries.
-   The JS runtime's Stalker takes no options, so the count is set in the object itself, once,
-   before the first block of any thread is compiled (every cache is sized from it), and only
-   when the object reads back exactly as Frida 17's GumStalker: ic_entries 2 and adj_blocks 0
-   right after the GObject header, followed by its fixed slab sizes.  Otherwise it stays 2 and
-   the host is told (meta.json "inline_cache"). */
-
 /* Copy n bytes from addr, or fail (0) instead of faulting when they are not mapped. */
 static int read_safely(const void *addr, void *out, uint64_t n) {
   uint64_t local[2] = {(uint64_t)out, n};
@@ -524,13 +514,19 @@ void bt_note(const char *line) {
                 0644);
   if (fd < 0)
     return;
-  unsigned long n = 0;
-  while (line[n] != 0)
-    n++;
-  syscall(1 /* write */, fd, line, n);
+  syscall(1 /* write */, fd, line, strlen(line));
   close(fd);
 }
 
+/* Stalker's inline cache for indirect calls, jumps and returns holds 2 targets per site by
+   default and replaces the oldest on a miss, so a site with more targets (a dispatch table, a
+   virtual call, a comparator shared by sorts) misses every time and takes Stalker's slow path:
+   measured, 60M calls through a 4-entry table took 8.8 s instead of 0.30 s with 32 entries.
+   The JS runtime's Stalker takes no options, so the count is set in the object itself, once,
+   before the first block of any thread is compiled (every cache is sized from it), and only
+   when the object reads back exactly as Frida 17's GumStalker: ic_entries 2 and adj_blocks 0
+   right after the GObject header, followed by its fixed slab sizes.  Otherwise it stays 2 and
+   the host is told (meta.json "inline_cache"). */
 #define BT_STRING(x) #x
 #define BT_NUMBER(x) BT_STRING(x)
 #define BT_IC_NOTE(entries) "{\"type\": \"inline-cache\", \"entries\": " entries "}\n"

@@ -69,7 +69,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_fork_returned: forkReturned,
   open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
   mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
-  clock_gettime: libc('clock_gettime'), memset: libc('memset'),
+  clock_gettime: libc('clock_gettime'), memset: libc('memset'), strlen: libc('strlen'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
 // What the host reads only at the end goes to a file, one JSON object a line (bt_note), rather
