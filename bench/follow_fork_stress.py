@@ -3,13 +3,14 @@ busy loops on the other cores, and count what went wrong: the program must finis
 all its children (40) exiting 0, and the recording must end with status 0.
 
     python bench/follow_fork_stress.py [--runs 16] [--busy 1] [--mode stream] [--duration 3]
-        [--rounds 40] [--pause-ms 50] [--no-follow-fork]
+        [--rounds 40] [--pause-ms 50] [--start-after-ms 0] [--no-follow-fork] [--plain-frida]
 
 A reliability check, not a speed one: Frida's fork handling under child gating has races
 that show only under load (see README, fork).  `--rounds 400 --pause-ms 2 --no-follow-fork`
-shows another one: a child forked while Frida is injected and the agent loads can be left
-spinning in its _exit() (a program that waits for it hangs); the state of every child of a
-hung program is printed.
+shows another one: a child forked while Frida is injected can be left spinning in its
+_exit() (a program that waits for it hangs); the state of every child of a hung program is
+printed.  `--plain-frida` attaches Frida alone (a one-line script, then detach) instead of
+recording, and `--start-after-ms` lets the program start forking only after the attach.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Frida alone: attach, load a one-line script, wait, detach (argv: pid, seconds)
+PLAIN_FRIDA = """
+import sys, time, frida
+session = frida.attach(int(sys.argv[1]))
+session.create_script("send(1);").load()
+time.sleep(float(sys.argv[2]))
+session.detach()
+"""
 
 
 def children_states(pid: int) -> str:
@@ -44,7 +53,7 @@ def children_states(pid: int) -> str:
 
 def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
     target = subprocess.Popen(
-        [program, str(args.rounds), str(int(args.pause_ms * 1000))],
+        [program, str(args.rounds), str(int(args.pause_ms * 1000)), str(args.start_after_ms)],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -53,10 +62,14 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
         assert target.stdout is not None
         target.stdout.readline()  # "ready"
         shutil.rmtree(out, ignore_errors=True)
-        command = [sys.executable, "-X", "faulthandler", "-m", "branchtrace.cli.main"]
-        command += ["record", "-o", str(out), "--mode", args.mode]
-        command += [] if args.no_follow_fork else ["--follow-fork"]
-        command += ["--duration", str(args.duration), "-p", str(target.pid)]
+        command = [sys.executable, "-X", "faulthandler"]
+        if args.plain_frida:
+            command += ["-c", PLAIN_FRIDA, str(target.pid), str(args.duration)]
+        else:
+            command += ["-m", "branchtrace.cli.main", "record", "-o", str(out)]
+            command += ["--mode", args.mode, "--duration", str(args.duration)]
+            command += [] if args.no_follow_fork else ["--follow-fork"]
+            command += ["-p", str(target.pid)]
         recording = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
@@ -92,7 +105,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=3)
     parser.add_argument("--rounds", type=int, default=40, help="children the program forks")
     parser.add_argument("--pause-ms", type=float, default=50, help="between two forks")
+    parser.add_argument("--start-after-ms", type=int, default=0, help="before the first fork")
     parser.add_argument("--no-follow-fork", action="store_true")
+    parser.add_argument("--plain-frida", action="store_true", help="attach Frida, not record")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bt-forkstress-"))
     program = work / "forkloop"
@@ -116,10 +131,10 @@ def main() -> int:
             loop.wait()
         shutil.rmtree(work, ignore_errors=True)
     summary = ", ".join(f"{count} {outcome}" for outcome, count in outcomes.most_common())
-    follow = "" if args.no_follow_fork else ", --follow-fork"
+    what = "attaches (plain Frida" if args.plain_frida else f"recordings ({args.mode}"
+    what += "" if args.plain_frida or args.no_follow_fork else ", --follow-fork"
     print(
-        f"{args.runs} recordings ({args.mode}{follow}, {args.busy} busy loops, a fork every "
-        f"{args.pause_ms:g} ms): {summary}"
+        f"{args.runs} {what}, {args.busy} busy loops, a fork every {args.pause_ms:g} ms): {summary}"
     )
     return 0 if outcomes["ok"] == args.runs else 1
 
