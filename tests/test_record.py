@@ -347,6 +347,23 @@ def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, progr
         assert calls_to(trace, child, programs["forkloop"], "f") == 7, res.stderr
 
 
+def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):
+    # Without the release, about half of these attaches left a child spinning in exit() on
+    # Frida's heap lock and the program waiting for it for good (README, fork).
+    with attach_target(programs["forkloop"], 400, 2000) as target:
+        res = record(tmp_path / "d", "--duration", "1", "-p", str(target.pid), mode="wrap")
+        out = output_after(target, res)
+    if target.returncode == -signal.SIGSEGV:
+        # seen in 2 of about 140 such attaches: the cores show Frida's injector's remote
+        # munmap() returning to its dummy address 0x320 uncaught (README, fork)
+        pytest.xfail("Frida's injector crashed the program (README, fork)")
+    assert res.returncode == 0, res.stderr
+    assert out.split()[-1] == "400", res.stderr
+    for line in res.stderr.splitlines():
+        if "hung in exit()" in line:
+            assert "branchtrace released it" in line
+
+
 def test_attached_and_stopped_inside_fork_every_child_lives_and_the_trace_is_exact(
     tmp_path, programs
 ):

@@ -51,6 +51,7 @@ from .base import (
     finish_meta,
     start_meta,
 )
+from .forkwindow import ForksUnderFrida
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
@@ -60,6 +61,8 @@ INLINE_CACHE = 32
 MIN_BUFFER = 8 * CHUNK
 #: seconds an agent may take to stop or detach before the host gives up on it
 AGENT_TIMEOUT = 10.0
+#: how often a recording of a running process looks for children stuck on Frida's heap lock
+FORK_CHECK_INTERVAL = 0.25
 
 _PRELUDE = """
 #include <gum/gumstalker.h>
@@ -836,6 +839,7 @@ class StalkerEngine:
         except OSError:
             pass
         rec.tracedir.write_meta(meta)
+        under_frida = ForksUnderFrida(pid)
         try:
             device = frida.get_local_device()
             session = device.attach(pid)
@@ -861,6 +865,7 @@ class StalkerEngine:
         try:
             if options.follow_fork:
                 forks = _ForkFollower(device, rec, ExitWatcher())
+                under_frida.attached(follow_new=False)
             with _forks_held(agent):
                 if forks is not None:
                     forks.watch(session, pid)
@@ -868,6 +873,8 @@ class StalkerEngine:
             for tid, why in untraced.items():
                 rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": why})
                 rec._error(f"thread {tid} of pid {pid} is not traced: {why}")
+            if forks is None:
+                under_frida.attached(follow_new=True)
         except frida.InvalidOperationError as e:  # seen under heavy load, with forks
             if forks is not None:
                 forks.close()
@@ -877,14 +884,20 @@ class StalkerEngine:
                 hint="try again",
             ) from None
         deadline = None if options.duration is None else time.monotonic() + options.duration
+        next_check = 0.0
         while not stop.is_set() and not gone.is_set():
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 break
+            if now > next_check:
+                under_frida.free_stuck()
+                next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
         result = RecordResult(rec.tracedir.path, pid)
         if forks is not None:
             result.processes = forks.close()
             forks.watcher.close()
+        under_frida.detaching()
         if not gone.is_set():
             try:
                 stopped = _bounded(agent.script.exports_sync.stop)
@@ -908,8 +921,39 @@ class StalkerEngine:
                 result.warnings.append(_stuck_agent(f"pid {pid}"))
             except Exception as e:
                 result.warnings.append(f"detaching failed: {e}")
+        result.warnings += _forks_under_frida_warnings(pid, under_frida, under_frida.settle())
         result.threads = rec.finish()
         return result
+
+
+def _forks_under_frida_warnings(pid: int, forks: ForksUnderFrida, at_risk: list[int]) -> list[str]:
+    warnings = []
+    if forks.freed:
+        warnings.append(
+            f"{_children_of(pid, forks.freed)}, forked while Frida's agent held its heap lock, "
+            f"hung in exit() on that lock (a Frida bug, frida/frida#467): branchtrace released "
+            f"it, and {'it' if len(forks.freed) == 1 else 'they'} went on"
+        )
+    if forks.stuck:
+        warnings.append(
+            f"{_children_of(pid, forks.stuck)} spun on Frida's heap lock again after its "
+            "release, holding it itself: it will not end by itself; kill it"
+        )
+    at_risk = [kid for kid in at_risk if kid not in forks.stuck]
+    if at_risk:
+        warnings.append(
+            f"{_children_of(pid, at_risk)}, forked while Frida's agent was loading or "
+            f"unloading, still {'runs' if len(at_risk) == 1 else 'run'}: if Frida held its "
+            "heap lock at that fork, it will hang when it exits (frida/frida#467)"
+        )
+    return warnings
+
+
+def _children_of(pid: int, kids: list[int]) -> str:
+    if len(kids) == 1:
+        return f"child {kids[0]} of pid {pid}"
+    shown = ", ".join(map(str, kids[:8])) + (", ..." if len(kids) > 8 else "")
+    return f"{len(kids)} children of pid {pid} ({shown})"
 
 
 def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
