@@ -846,9 +846,10 @@ class StalkerEngine:
             agent = rec.load_agent(session, pid, spawn=False, main_ring=None)
             tids = agent.script.exports_sync.threads()
             paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
-        except BranchtraceError:
-            raise
         except Exception as e:
+            _settle_forks(pid, under_frida, events)
+            if isinstance(e, BranchtraceError):
+                raise
             raise _frida_error(e, f"pid {pid}") from None
         gone = threading.Event()
 
@@ -879,6 +880,7 @@ class StalkerEngine:
             if forks is not None:
                 forks.close()
                 forks.watcher.close()
+            _settle_forks(pid, under_frida, events)
             raise EngineUnavailableError(
                 f"the agent in pid {pid} went away while tracing started ({e})",
                 hint="try again",
@@ -924,6 +926,13 @@ class StalkerEngine:
         result.warnings += _forks_under_frida_warnings(pid, under_frida, under_frida.settle())
         result.threads = rec.finish()
         return result
+
+
+def _settle_forks(pid: int, forks: ForksUnderFrida, events: Events) -> None:
+    """On a failed attach: the children stuck meanwhile are released all the same."""
+    forks.detaching()
+    for warning in _forks_under_frida_warnings(pid, forks, forks.settle()):
+        events.warning(warning)
 
 
 def _forks_under_frida_warnings(pid: int, forks: ForksUnderFrida, at_risk: list[int]) -> list[str]:
