@@ -117,6 +117,42 @@ def test_wrap_late_reader_after_writer_sigkilled_mid_write(shm_dir, ring_writer,
     assert (payload == seq[recs["type"] == RecordType.PROBE_HIT][:, None]).all()
 
 
+def test_a_writer_alive_but_gone_quiet_gives_its_unpublished_records_only_when_asked(
+    shm_dir, ring_writer
+):
+    """A traced process that runs on after Frida dropped its agent keeps the ring's writer
+    lock: its records past data_head are taken only with `live`, and are whole."""
+    path = shm_dir / "q.bts"
+    Ring.create(path, 64 << 10, Mode.WRAP, Flags.TRACE).close()
+    proc = subprocess.Popen(
+        [ring_writer, path, "0", "-l", "-p", "5", "-r"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    unpublished = 0
+    try:
+        with Ring.open(path) as ring:
+            for _ in range(8):
+                time.sleep(0.005)
+                proc.send_signal(signal.SIGSTOP)
+                time.sleep(0.02)  # the stop is delivered
+                assert ring.writer_alive()
+                head = ring.head
+                assert recovered_head(ring) == head
+                unpublished += recovered_head(ring, live=True) - head
+                words, pos = RingReader(ring).read_words(live=True)
+                assert pos + 8 * words.size == recovered_head(ring, live=True) >= head
+                recs = parse_words(words, pos)
+                seq = recs["a"]
+                assert np.array_equal(seq, np.arange(seq[0], seq[0] + seq.size, dtype=U64))
+                assert np.array_equal(recs["type"], expected_types(seq, probe=5))
+                proc.send_signal(signal.SIGCONT)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert unpublished > 0, "the lazy writer had published everything: nothing recovered"
+
+
 def test_torn_record_past_head_is_never_returned(shm_dir):
     path = shm_dir / "t.bts"
     ring = Ring.create(path, 8192, Mode.WRAP)

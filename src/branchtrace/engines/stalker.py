@@ -292,6 +292,9 @@ class _Recording:
         self.rings: dict[int, tuple[Ring, RingReader | None, int | None]] = {}
         self.switches: dict[int, SwitchRecorder] = {}
         self.thread_pid: dict[int, int] = {}  #: the process of each traced thread
+        #: processes that run on after Frida dropped their session: their threads' last
+        #: records are taken from the live rings (recovered_head)
+        self.orphaned: set[int] = set()
         #: threads started at code in no module (Frida's own): left alone, listed in meta
         self.untraced_threads: list[dict[str, Any]] = []
         self.snapshots: list[Path] = []  #: --trigger snapshot directories, in order
@@ -469,15 +472,20 @@ class _Recording:
     def _drain_once(self, final: bool) -> int:
         moved = 0
         with self.lock:
-            rings = list(self.rings.values())
+            rings = list(self.rings.items())
             switches = list(self.switches.values())
         for recorder in switches:
             moved += recorder.poll()
-        for _ring, reader, fd in rings:
+        for tid, (_ring, reader, fd) in rings:
             if reader is not None and fd is not None:
                 # not counted here: the agent counts what it writes (see finish)
                 moved += drain_to_file(
-                    reader, fd, final=final, packed=self.options.compress, count=False
+                    reader,
+                    fd,
+                    final=final,
+                    live=self.thread_pid[tid] in self.orphaned,
+                    packed=self.options.compress,
+                    count=False,
                 )[0]
         return moved
 
@@ -498,7 +506,8 @@ class _Recording:
                 if fd is not None:
                     os.close(fd)
                 if reader is None:  # wrap: what the ring holds
-                    words, _ = RingReader(ring).read_words()
+                    live = self.thread_pid[tid] in self.orphaned
+                    words, _ = RingReader(ring).read_words(live=live)
                     records, gaps = count_records(words, slots=True)
                 elif ring.writer_state == WriterState.CLOSED:  # counted as it was written
                     records, gaps = _agent_counts(ring)
@@ -852,8 +861,10 @@ class StalkerEngine:
                 raise
             raise _frida_error(e, f"pid {pid}") from None
         gone = threading.Event()
+        why_gone: list[str] = []
 
         def on_detached(reason: str, crash: object) -> None:
+            why_gone.append(reason)
             gone.set()
 
         session.on("detached", on_detached)
@@ -896,6 +907,13 @@ class StalkerEngine:
                 next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
         result = RecordResult(rec.tracedir.path, pid)
+        if gone.is_set() and _running(pid):
+            rec.orphaned.add(pid)
+            result.detached = True
+            result.warnings.append(
+                f"Frida dropped its session with pid {pid} ({why_gone[0]}) while the process "
+                "runs on: its trace ends there, and it runs on untraced"
+            )
         if forks is not None:
             result.processes = forks.close()
             forks.watcher.close()
@@ -926,6 +944,14 @@ class StalkerEngine:
         result.warnings += _forks_under_frida_warnings(pid, under_frida, under_frida.settle())
         result.threads = rec.finish()
         return result
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def _settle_forks(pid: int, forks: ForksUnderFrida, events: Events) -> None:

@@ -202,18 +202,25 @@ DRAIN_SLICE = 1 << 20
 
 
 def drain_to_file(
-    reader: RingReader, fd: int, *, final: bool = False, packed: bool = False, count: bool = True
+    reader: RingReader,
+    fd: int,
+    *,
+    final: bool = False,
+    live: bool = False,
+    packed: bool = False,
+    count: bool = True,
 ) -> tuple[int, int, dict[int, int]]:
     """Append what the consumer `reader` can take from its ring to `fd`, straight from the
     shared mapping, and release it to the writer.  Returns (bytes, records, GAP records by
     reason) moved.
 
     `final`: the writer is gone; also take the records it wrote past data_head.
+    `live`: with `final`, its thread is not: it runs on without its agent (recovered_head).
     `packed`: `fd` is a packed stream file (packed.py), not raw words.
     `count`: count the records (else 0 and {}: a writer that counts what it writes).
     """
     ring = reader.ring
-    head = recovered_head(ring) if final else ring.head
+    head = recovered_head(ring, live=live) if final else ring.head
     if head > ring.head:  # the writer is dead: publish what we recovered, for later readers
         ring._set("data_head", head)
     tail = ring.tail
