@@ -58,11 +58,15 @@ SPIN_OUTPUT = str(sum(range(1500)))
 
 
 @contextlib.contextmanager
-def attach_target(*argv: object) -> Iterator[subprocess.Popen]:
+def attach_target(*argv: object, stdin: int | None = None) -> Iterator[subprocess.Popen]:
     """A program to attach to, past its "ready" line.  Afterwards its whole process group is
     killed: a child Frida left stuck must not burn a core under the tests that follow."""
     target = subprocess.Popen(
-        [str(a) for a in argv], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [str(a) for a in argv],
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         assert target.stdout.readline().startswith("ready")
@@ -681,6 +685,61 @@ def test_ctrl_c_when_attached_stops_detaches_and_keeps_the_trace(tmp_path, progr
     assert spin.returncode == 0 and out.strip() == SPIN_OUTPUT
     trace = TraceDir.open(tmp_path / "d")
     assert sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads()) > 20
+
+
+def attached_until_the_end(out: Path, target: subprocess.Popen, mode: str) -> tuple[int, str]:
+    """`record -p` of `target`, which is let go on (a line on its stdin) once the recording
+    says it has begun; returns the tool's exit status and stderr."""
+    tool = subprocess.Popen(
+        [*BT, "record", "-o", str(out), "--mode", mode, "--duration", "120", "-p", str(target.pid)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert tool.stderr is not None and "Ctrl-C to stop" in tool.stderr.readline()
+    assert target.stdin is not None
+    target.stdin.write("\n")
+    target.stdin.close()
+    _, err = tool.communicate(timeout=120)
+    return tool.returncode, err
+
+
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_an_attached_program_that_crashes_is_reported_with_its_signal(tmp_path, programs, mode):
+    ticks = 5000
+    crash = programs["crash"]
+    with attach_target(crash, ticks, "wait", stdin=subprocess.PIPE) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, mode)
+        assert target.wait(timeout=30) == -signal.SIGSEGV
+    assert status == 128 + signal.SIGSEGV, err
+    assert f"pid {target.pid} was killed by SIGSEGV" in err
+    trace = TraceDir.open(tmp_path / "d")
+    assert trace.meta()["signal"] == signal.SIGSEGV
+    (tid,) = trace.threads()
+    words, pos = trace.words(tid)
+    boom = modules(trace, tid).runtime_address("crash", "boom")
+    assert parse_words(words, pos)[-1]["a"] == boom  # up to the faulting function
+    assert calls_to(trace, tid, crash, "boom") == 1
+    assert calls_to(trace, tid, crash, "tick") == ticks  # all of them, from the attach on
+
+
+def test_an_attached_program_that_exits_gives_its_status(tmp_path):
+    with attach_target("/bin/sh", "-c", "echo ready; read x; exit 3", stdin=subprocess.PIPE) as sh:
+        status, err = attached_until_the_end(tmp_path / "d", sh, "stream")
+        assert sh.wait(timeout=30) == 3
+    assert status == 3, err
+    assert f"pid {sh.pid} exited with status 3" in err
+    assert TraceDir.open(tmp_path / "d").meta()["exit_code"] == 3
+
+
+def test_an_attached_program_that_calls_exec_is_left_running_and_named(tmp_path):
+    script = "echo ready; read x; exec /bin/sh -c 'sleep 0.5; exit 4'"
+    with attach_target("/bin/sh", "-c", script, stdin=subprocess.PIPE) as sh:
+        status, err = attached_until_the_end(tmp_path / "d", sh, "stream")
+        assert sh.wait(timeout=30) == 4  # the new image ran on, untouched
+    assert status == 0, err
+    assert f"pid {sh.pid} called exec: the new program image was not traced" in err
+    assert f"detached from pid {sh.pid}" in err
+    assert "dropped" not in err
 
 
 def test_ctrl_c_when_spawned_ends_the_program_and_keeps_the_trace(tmp_path, programs):

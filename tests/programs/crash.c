@@ -1,4 +1,5 @@
-/* main -> a -> boom, which writes through a NULL pointer (after N calls of tick, if given) */
+/* main -> a -> boom, which writes through a NULL pointer (after N calls of tick, if given;
+   with a second argument, an attach target: says "ready" and waits for a line first) */
 #include <stdio.h>
 #include <stdlib.h>
 __attribute__((noinline)) void boom(int *p) { *p = 42; }
@@ -10,6 +11,11 @@ __attribute__((noinline)) void tick(long i) { ticks += i; }
 
 int main(int argc, char **argv) {
   long n = argc > 1 ? atol(argv[1]) : 0;
+  if (argc > 2) {
+    puts("ready");
+    fflush(stdout);
+    getchar();
+  }
   for (long i = 0; i < n; i++)
     tick(i);
   puts("about to crash");

@@ -835,6 +835,23 @@ class StalkerEngine:
         stop: threading.Event,
         options: RecordOptions,
     ) -> RecordResult:
+        # before the attach: a process that is not our child tells how it ended only there
+        watcher = ExitWatcher()
+        try:
+            return self._attach_watched(pid, rec, meta, events, stop, options, watcher)
+        finally:
+            watcher.close()
+
+    def _attach_watched(
+        self,
+        pid: int,
+        rec: _Recording,
+        meta: dict[str, Any],
+        events: Events,
+        stop: threading.Event,
+        options: RecordOptions,
+        watcher: ExitWatcher,
+    ) -> RecordResult:
         meta["pid"] = pid
         try:
             meta["executable"] = os.readlink(f"/proc/{pid}/exe")
@@ -868,15 +885,11 @@ class StalkerEngine:
             gone.set()
 
         session.on("detached", on_detached)
-        events.started(
-            f"recording pid {pid} ({len(tids)} threads) with {_how(options, rec)}; "
-            "Ctrl-C to stop and detach"
-        )
         rec.start_draining()
         forks = None
         try:
             if options.follow_fork:
-                forks = _ForkFollower(device, rec, ExitWatcher())
+                forks = _ForkFollower(device, rec, watcher)
                 under_frida.attached(follow_new=False)
             with _forks_held(agent):
                 if forks is not None:
@@ -890,12 +903,16 @@ class StalkerEngine:
         except frida.InvalidOperationError as e:  # seen under heavy load, with forks
             if forks is not None:
                 forks.close()
-                forks.watcher.close()
             _settle_forks(pid, under_frida, events)
             raise EngineUnavailableError(
                 f"the agent in pid {pid} went away while tracing started ({e})",
                 hint="try again",
             ) from None
+        # once the threads are followed: from this line on, what the program does is traced
+        events.started(
+            f"recording pid {pid} ({len(tids)} threads) with {_how(options, rec)}; "
+            "Ctrl-C to stop and detach"
+        )
         deadline = None if options.duration is None else time.monotonic() + options.duration
         next_check = 0.0
         while not stop.is_set() and not gone.is_set():
@@ -907,16 +924,10 @@ class StalkerEngine:
                 next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
         result = RecordResult(rec.tracedir.path, pid)
-        if gone.is_set() and _running(pid):
-            rec.orphaned.add(pid)
-            result.detached = True
-            result.warnings.append(
-                f"Frida dropped its session with pid {pid} ({why_gone[0]}) while the process "
-                "runs on: its trace ends there, and it runs on untraced"
-            )
+        if gone.is_set():
+            self._attached_gone(pid, why_gone[0], rec, result, watcher)
         if forks is not None:
             result.processes = forks.close()
-            forks.watcher.close()
         under_frida.detaching()
         if not gone.is_set():
             try:
@@ -944,6 +955,38 @@ class StalkerEngine:
         result.warnings += _forks_under_frida_warnings(pid, under_frida, under_frida.settle())
         result.threads = rec.finish()
         return result
+
+    @staticmethod
+    def _attached_gone(
+        pid: int, reason: str, rec: _Recording, result: RecordResult, watcher: ExitWatcher
+    ) -> None:
+        """The session with attached process `pid` ended before the recording did."""
+        # the watcher reads an exec event before the exit event: asked for the exit status
+        # first, it knows of any exec
+        status = None if _running(pid) else watcher.status(pid, timeout=2)
+        if reason == "process-replaced" or pid in watcher.execs:
+            result.warnings.append(
+                f"pid {pid} called exec: the new program image was not traced (the trace "
+                "ends at the exec)"
+            )
+        if status is not None:
+            result.exit_code, result.signal = describe(status)
+            if result.exit_code is not None:
+                result.warnings.append(
+                    "the trace ends inside exit(): Frida stops following there, so atexit "
+                    "handlers and destructors ran untraced"
+                )
+            return
+        if _running(pid):
+            rec.orphaned.add(pid)
+            result.detached = True
+            if reason != "process-replaced" and pid not in watcher.execs:
+                result.warnings.append(
+                    f"Frida dropped its session with pid {pid} ({reason}) while the process "
+                    "runs on: its trace ends there, and it runs on untraced"
+                )
+        else:
+            result.warnings.append(f"pid {pid} ended; its exit status could not be observed")
 
 
 def _running(pid: int) -> bool:
