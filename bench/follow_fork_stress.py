@@ -10,9 +10,10 @@ that show only under load (see README, fork).  `--rounds 400 --pause-ms 2 --no-f
 shows another one: a child forked while Frida is injected can be left spinning in its
 _exit() on Frida's heap lock (a program that waits for it hangs).  The recorder releases
 such children; the runs where it did are counted apart, and the state of every child of a
-hung program is printed.  `--plain-frida` attaches Frida alone (a one-line script, then
-detach) instead of recording, and `--start-after-ms` lets the program start forking only
-after the attach.
+hung program is printed.  So are the runs where Frida dropped its session with the program
+midway (the recorder says so; the trace ends there).  `--plain-frida` attaches Frida
+alone (a one-line script, then detach) instead of recording, and `--start-after-ms` lets
+the program start forking only after the attach.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
         if printed.strip() != str(args.rounds):
             print(said, file=sys.stderr)
             return f"{printed.strip() or 'no'} good children of {args.rounds}"
+        if "dropped its session" in said:
+            return "Frida dropped the program's session (it ran on fine; its trace ends early)"
         if "branchtrace released it" in said:
             return "ok, a child stuck on Frida's heap lock released"
         return "ok"

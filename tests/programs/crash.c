@@ -1,5 +1,4 @@
-/* main -> a -> boom, which writes through a NULL pointer (after N calls of tick, if given;
-   with a second argument, an attach target: says "ready" and waits for a line first) */
+/* main -> a -> boom, writing through NULL (after N ticks; a 2nd arg: "ready", a line) */
 #include <stdio.h>
 #include <stdlib.h>
 __attribute__((noinline)) void boom(int *p) { *p = 42; }
