@@ -751,10 +751,13 @@ class StalkerEngine:
                 raise _frida_error(e, argv[0]) from None
             raise
         replaced = threading.Event()
+        dropped: list[str] = []  #: why Frida ended the session while the program ran on
 
         def on_detached(reason: str, crash: object) -> None:
             if reason == "process-replaced":
                 replaced.set()
+            elif reason != "process-terminated" and _running(pid):
+                dropped.append(reason)
 
         session.on("detached", on_detached)
         events.started(
@@ -773,6 +776,12 @@ class StalkerEngine:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         result = RecordResult(rec.tracedir.path, pid)
+        if dropped:
+            rec.orphaned.add(pid)
+            result.warnings.append(
+                f"Frida dropped its session with {argv[0]} (pid {pid}, {dropped[0]}) while it "
+                "ran: its trace ends there, and it ran on untraced"
+            )
         if forks is not None:
             forks.wait(stop, deadline)
             result.processes = forks.close()
