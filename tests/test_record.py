@@ -351,7 +351,8 @@ def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, progr
         assert calls_to(trace, child, programs["forkloop"], "f") == 7, res.stderr
     if "Frida dropped its session" in res.stderr:  # in about 4 of 10 such attaches (README)
         assert meta["detached"] is True and f"detached from pid {target.pid}" in res.stderr
-    assert meta["threads"][str(target.pid)]["records"] > 0  # up to a drop, if any
+    else:
+        assert meta["threads"][str(target.pid)]["records"] > 0, res.stderr
 
 
 def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):

@@ -94,6 +94,12 @@ class ExitWatcher:
             with contextlib.suppress(OSError):
                 self._sock.close()
 
+    def __enter__(self) -> ExitWatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def describe(status: int) -> tuple[int | None, int | None]:
     """(exit code, signal) of a wait status."""

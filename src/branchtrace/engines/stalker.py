@@ -692,7 +692,9 @@ class StalkerEngine:
                 result = self._spawn(program, target.argv, rec, meta, events, stop, options)
             else:
                 assert target.pid is not None
-                result = self._attach(target.pid, rec, meta, events, stop, options)
+                # before the attach: a process not our child tells how it ended only there
+                with ExitWatcher() as watcher:
+                    result = self._attach(target.pid, rec, meta, events, stop, options, watcher)
             started = True
         finally:
             if not started:
@@ -778,10 +780,7 @@ class StalkerEngine:
         result = RecordResult(rec.tracedir.path, pid)
         if dropped:
             rec.orphaned.add(pid)
-            result.warnings.append(
-                f"Frida dropped its session with {argv[0]} (pid {pid}, {dropped[0]}) while it "
-                "ran: its trace ends there, and it ran on untraced"
-            )
+            result.warnings.append(_dropped_warning(f"{argv[0]} (pid {pid})", dropped[0]))
         if forks is not None:
             forks.wait(stop, deadline)
             result.processes = forks.close()
@@ -793,10 +792,7 @@ class StalkerEngine:
         wait_status = watcher.status(pid, timeout=2) if watcher.available else None
         watcher.close()
         if replaced.is_set() or pid in watcher.execs:
-            result.warnings.append(
-                f"{argv[0]} called exec: the new program image was not traced (the trace "
-                "ends at the exec; record the new program by itself to trace it)"
-            )
+            result.warnings.append(_exec_warning(argv[0]))
         if wait_status is not None:
             result.exit_code, result.signal = describe(wait_status)
         elif status:  # without root: waitid, when it won the race against Frida's reaper
@@ -807,10 +803,7 @@ class StalkerEngine:
         else:
             result.warnings.append("the program's exit status could not be observed")
         if result.exit_code is not None:
-            result.warnings.append(
-                "the trace ends inside exit(): Frida stops following there, so atexit "
-                "handlers and destructors ran untraced"
-            )
+            result.warnings.append(EXIT_UNTRACED)
         return result
 
     @staticmethod
@@ -836,22 +829,6 @@ class StalkerEngine:
     # -- attach ------------------------------------------------------------------------------
 
     def _attach(
-        self,
-        pid: int,
-        rec: _Recording,
-        meta: dict[str, Any],
-        events: Events,
-        stop: threading.Event,
-        options: RecordOptions,
-    ) -> RecordResult:
-        # before the attach: a process that is not our child tells how it ended only there
-        watcher = ExitWatcher()
-        try:
-            return self._attach_watched(pid, rec, meta, events, stop, options, watcher)
-        finally:
-            watcher.close()
-
-    def _attach_watched(
         self,
         pid: int,
         rec: _Recording,
@@ -909,19 +886,23 @@ class StalkerEngine:
                 rec._error(f"thread {tid} of pid {pid} is not traced: {why}")
             if forks is None:
                 under_frida.attached(follow_new=True)
-        except frida.InvalidOperationError as e:  # seen under heavy load, with forks
-            if forks is not None:
-                forks.close()
-            _settle_forks(pid, under_frida, events)
-            raise EngineUnavailableError(
-                f"the agent in pid {pid} went away while tracing started ({e})",
-                hint="try again",
-            ) from None
-        # once the threads are followed: from this line on, what the program does is traced
-        events.started(
-            f"recording pid {pid} ({len(tids)} threads) with {_how(options, rec)}; "
-            "Ctrl-C to stop and detach"
-        )
+        except frida.InvalidOperationError as e:  # "script has been destroyed"
+            # Frida dropped the session as tracing started, as it does later on (README,
+            # fork): a program that runs on keeps what was traced, as after a later drop
+            if not (gone.wait(1) and _running(pid)):
+                if forks is not None:
+                    forks.close()
+                _settle_forks(pid, under_frida, events)
+                raise EngineUnavailableError(
+                    f"the agent in pid {pid} went away while tracing started ({e})",
+                    hint="try again",
+                ) from None
+        if not gone.is_set():
+            # once the threads are followed: from this line on, what the program does is traced
+            events.started(
+                f"recording pid {pid} ({len(tids)} threads) with {_how(options, rec)}; "
+                "Ctrl-C to stop and detach"
+            )
         deadline = None if options.duration is None else time.monotonic() + options.duration
         next_check = 0.0
         while not stop.is_set() and not gone.is_set():
@@ -933,12 +914,12 @@ class StalkerEngine:
                 next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
         result = RecordResult(rec.tracedir.path, pid)
-        if gone.is_set():
-            self._attached_gone(pid, why_gone[0], rec, result, watcher)
         if forks is not None:
             result.processes = forks.close()
         under_frida.detaching()
-        if not gone.is_set():
+        if gone.is_set():  # before the end, or while the children were wound up
+            self._attached_gone(pid, why_gone[0], rec, result, watcher)
+        else:
             try:
                 stopped = _bounded(agent.script.exports_sync.stop)
                 far = stopped.get("farBlocks", 0)
@@ -959,8 +940,13 @@ class StalkerEngine:
                 result.detached = True
             except AgentTimeoutError:
                 result.warnings.append(_stuck_agent(f"pid {pid}"))
+                rec.orphaned.add(pid)  # its rings were never closed
             except Exception as e:
-                result.warnings.append(f"detaching failed: {e}")
+                if gone.wait(1):  # dropped while we stopped it
+                    self._attached_gone(pid, why_gone[0], rec, result, watcher)
+                else:
+                    result.warnings.append(f"detaching failed: {e}")
+                    rec.orphaned.add(pid)
         result.warnings += _forks_under_frida_warnings(pid, under_frida, under_frida.settle())
         result.threads = rec.finish()
         return result
@@ -970,32 +956,45 @@ class StalkerEngine:
         pid: int, reason: str, rec: _Recording, result: RecordResult, watcher: ExitWatcher
     ) -> None:
         """The session with attached process `pid` ended before the recording did."""
-        # the watcher reads an exec event before the exit event: asked for the exit status
-        # first, it knows of any exec
-        status = None if _running(pid) else watcher.status(pid, timeout=2)
-        if reason == "process-replaced" or pid in watcher.execs:
-            result.warnings.append(
-                f"pid {pid} called exec: the new program image was not traced (the trace "
-                "ends at the exec)"
-            )
+        running = _running(pid)
+        # the watcher reads an exec event before the exit event: once it has the exit
+        # status, it knows of any exec
+        status = None if running else watcher.status(pid, timeout=2)
+        called_exec = reason == "process-replaced" or pid in watcher.execs
+        if called_exec:
+            result.warnings.append(_exec_warning(f"pid {pid}"))
         if status is not None:
             result.exit_code, result.signal = describe(status)
             if result.exit_code is not None:
-                result.warnings.append(
-                    "the trace ends inside exit(): Frida stops following there, so atexit "
-                    "handlers and destructors ran untraced"
-                )
-            return
-        if _running(pid):
+                result.warnings.append(EXIT_UNTRACED)
+        elif running:
             rec.orphaned.add(pid)
             result.detached = True
-            if reason != "process-replaced" and pid not in watcher.execs:
-                result.warnings.append(
-                    f"Frida dropped its session with pid {pid} ({reason}) while the process "
-                    "runs on: its trace ends there, and it runs on untraced"
-                )
+            if not called_exec:
+                result.warnings.append(_dropped_warning(f"pid {pid}", reason))
         else:
             result.warnings.append(f"pid {pid} ended; its exit status could not be observed")
+
+
+#: after a program's own exit
+EXIT_UNTRACED = (
+    "the trace ends inside exit(): Frida stops following there, so atexit handlers and "
+    "destructors ran untraced"
+)
+
+
+def _exec_warning(what: str) -> str:
+    return (
+        f"{what} called exec: the new program image was not traced (the trace ends at the "
+        "exec; record the new program by itself to trace it)"
+    )
+
+
+def _dropped_warning(what: str, reason: str) -> str:
+    return (
+        f"Frida dropped its session with {what} ({reason}) while it ran on: its trace ends "
+        "there, and it ran on untraced"
+    )
 
 
 def _running(pid: int) -> bool:
