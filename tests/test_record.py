@@ -355,6 +355,29 @@ def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, progr
         assert meta["threads"][str(target.pid)]["records"] > 0, res.stderr
 
 
+def test_attached_with_follow_fork_the_parent_stays_traced_while_children_live_on(
+    tmp_path, programs
+):
+    # Frida in a forked child closes its copy of our script once nothing holds it there, and
+    # the host took that close for the parent's own session and dropped it: with children that
+    # live on a while (200 ms) every such attach lost the parent at the first child's exit.
+    rounds, forkloop = 6, programs["forkloop"]
+    with attach_target(forkloop, rounds, 20000, -1, 200000, stdin=subprocess.PIPE) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, "stream", "--follow-fork")
+        assert target.wait(timeout=30) == 0
+        out = target.stdout.read()
+    assert status == 0 and out.strip() == str(rounds), err
+    assert "dropped" not in err and f"pid {target.pid} exited with status 0" in err
+    trace = TraceDir.open(tmp_path / "d")
+    processes = trace.meta()["processes"]
+    assert len(processes) == rounds, err
+    for child, ending in processes.items():
+        assert ending == {"ppid": target.pid, "exit_code": 0, "signal": None}, err
+        assert calls_to(trace, int(child), forkloop, "f") == 7, err
+    assert calls_to(trace, target.pid, forkloop, "round_done") == rounds, err
+    assert trace.meta()["threads"][str(target.pid)]["gaps"] == {"fork": rounds}
+
+
 def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):
     # Without the release, about half of these attaches left a child spinning in exit() on
     # Frida's heap lock and the program waiting for it for good (README, fork).
@@ -691,11 +714,14 @@ def test_ctrl_c_when_attached_stops_detaches_and_keeps_the_trace(tmp_path, progr
     assert sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads()) > 20
 
 
-def attached_until_the_end(out: Path, target: subprocess.Popen, mode: str) -> tuple[int, str]:
+def attached_until_the_end(
+    out: Path, target: subprocess.Popen, mode: str, *options: str
+) -> tuple[int, str]:
     """`record -p` of `target`, which is let go on (a line on its stdin) once the recording
     says it has begun; returns the tool's exit status and stderr."""
+    command = [*BT, "record", "-o", str(out), "--mode", mode, "--duration", "120", *options]
     tool = subprocess.Popen(
-        [*BT, "record", "-o", str(out), "--mode", mode, "--duration", "120", "-p", str(target.pid)],
+        [*command, "-p", str(target.pid)],
         stderr=subprocess.PIPE,
         text=True,
     )

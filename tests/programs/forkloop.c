@@ -1,6 +1,7 @@
-/* An attach target that forks: says "ready", waits START_MS milliseconds (0), then ROUNDS
-   times (40), PAUSE_US microseconds (50000) apart, forks a child that calls f exactly 7
-   times and exits 0; prints how many children exited 0. */
+/* An attach target that forks: says "ready", waits START_MS milliseconds (0; -1: until a
+   line on stdin), then ROUNDS times (40), PAUSE_US microseconds (50000) apart, forks a child
+   that calls f exactly 7 times, lives CHILD_US microseconds more (0) and exits 0, and calls
+   round_done once it has waited for it; prints how many children exited 0. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -8,24 +9,31 @@
 
 volatile long sink;
 __attribute__((noinline)) void f(int i) { sink += i; }
+__attribute__((noinline)) void round_done(int round) { sink += round; }
 
 int main(int argc, char **argv) {
   int rounds = argc > 1 ? atoi(argv[1]) : 40;
   int pause_us = argc > 2 ? atoi(argv[2]) : 50000;
   int start_ms = argc > 3 ? atoi(argv[3]) : 0;
+  int child_us = argc > 4 ? atoi(argv[4]) : 0;
   printf("ready %d\n", getpid());
   fflush(stdout);
-  usleep(start_ms * 1000);
+  if (start_ms < 0)
+    getchar();
+  else
+    usleep(start_ms * 1000);
   int ok = 0;
   for (int round = 0; round < rounds; round++) {
     pid_t child = fork();
     if (child == 0) {
       for (int i = 0; i < 7; i++) f(i);
+      usleep(child_us);
       _exit(0);
     }
     int status;
     waitpid(child, &status, 0);
     ok += WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    round_done(round);
     usleep(pause_us);
   }
   printf("%d\n", ok);

@@ -312,6 +312,7 @@ class _Recording:
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
             "spawn": spawn,
+            "park": self.options.follow_fork,
             "triggers": [t.__dict__ for t in self.options.triggers],
             "snapshots": self.options.snapshots,
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{pid}"),

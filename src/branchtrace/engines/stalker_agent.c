@@ -107,6 +107,8 @@ typedef struct {
   volatile int ic_done;
   int forks_held;        /* bt_hold_forks(): fork() waits at its entry meanwhile */
   int forks_in_flight;   /* threads between the entry and the return of fork() */
+  volatile int parked;   /* the parked thread is inside bt_park() (bt_park) */
+  volatile int unpark;   /* it may return */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -446,6 +448,31 @@ int bt_hold_forks(int hold) {
   if (!g_atomic_int_add(&STATE->forks_held, 0))
     g_atomic_int_add(&STATE->forks_held, 1);
   return g_atomic_int_add(&STATE->forks_in_flight, 0);
+}
+
+/* --follow-fork: every child Frida holds inherits this script, and Frida in the child closes
+   it as soon as nothing holds it there; the close reaches the host under the session id the
+   child inherited, which is ours, and the host then drops our session with the traced
+   process (reason "application-requested") and unloads the agent from it.  A thread of ours
+   parked inside bt_park(), hooked by this script with a leave listener, holds the hook's
+   use count at one, and a forked child copies that count without the thread: in every
+   child the close waits for a thread that is not there, for good.  (A spawned program's
+   main thread, in main() through the hook that starts tracing, did the same by chance for
+   forks from main.)  The parked thread ends when the recording does (bt_unpark); it is
+   bt_park itself, so no code of this module runs after it has left the hook, and nobody
+   waits for it (a fork under way then can hold up its exit). */
+void *bt_park(void *arg) {
+  STATE->parked = (int)syscall(186 /* gettid */);
+  while (!STATE->unpark)
+    bt_futex_wait((uint32_t *)&STATE->unpark, 0, 1000000000L);
+  return 0;
+}
+
+void bt_park_listener(GumInvocationContext *ic) {}
+
+void bt_unpark(void) {
+  STATE->unpark = 1;
+  bt_futex_wake((uint32_t *)&STATE->unpark);
 }
 
 /* Signal handlers: the kernel enters them natively, outside Stalker's code cache, so their

@@ -1,7 +1,7 @@
 'use strict';
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
-// PARAMS is prepended by the host: {cSource, mainRing, spawn, triggers, snapshots,
+// PARAMS is prepended by the host: {cSource, mainRing, spawn, park, triggers, snapshots,
 // notesPath}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
@@ -9,11 +9,13 @@ const libc = (name) => Module.getGlobalExportByName(name);
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 16); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 24); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
 state.add(8 + 8 * 4096 + 8).writeU64(0); // no fork held or under way
+const PARKED = 8 + 8 * 4096 + 16; // the parked thread's tid (bt_park)
+state.add(PARKED).writeU64(0); // none yet, and it need not return
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
@@ -87,6 +89,38 @@ const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
 const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
+const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
+  ['pointer', 'pointer', 'pointer', 'pointer']);
+const pthreadDetach = new NativeFunction(libc('pthread_detach'), 'int', ['pointer']);
+const unpark = new NativeFunction(cm.bt_unpark, 'void', []);
+
+// --follow-fork: a thread of ours waits inside bt_park() until the end, so that Frida never
+// finishes closing this script in a forked child (see bt_park in stalker_agent.c).  Parked
+// before any fork is traced: before tracing starts, so the thread observer passes it by.
+let parked = false;
+function park() {
+  if (!PARAMS.park || parked || !inTracedProcess()) {
+    return;
+  }
+  Interceptor.attach(cm.bt_park, { onEnter: cm.bt_park_listener, onLeave: cm.bt_park_listener });
+  const handle = Memory.alloc(8);
+  const rc = pthreadCreate(handle, NULL, cm.bt_park, NULL);
+  if (rc !== 0) {
+    send({ type: 'error', message: `cannot start the agent's parked thread (error ${rc})` });
+    return;
+  }
+  pthreadDetach(handle.readPointer());
+  parked = true;
+  while (state.add(PARKED).readS32() === 0) {
+    Thread.sleep(0.0005);
+  }
+}
+function release() {
+  if (parked) {
+    unpark();
+    parked = false;
+  }
+}
 
 const threads = new Map(); // tid -> BtThread*
 let tracing = false;
@@ -176,6 +210,7 @@ if (PARAMS.spawn) {
       onEnter() {
         if (!started) {
           started = true;
+          park();
           tracing = true;
           follow(Process.getCurrentThreadId(), PARAMS.mainRing);
         }
@@ -229,7 +264,8 @@ const probedReturns = new Set();
 
 rpc.exports = {
   threads() {
-    return Process.enumerateThreads().map((t) => t.id);
+    const parked = state.add(PARKED).readS32();
+    return Process.enumerateThreads().map((t) => t.id).filter((tid) => tid !== parked);
   },
   // hold new fork()s; how many are still under way
   holdForks() {
@@ -244,6 +280,7 @@ rpc.exports = {
   // followed.  A forked child held by Frida is not looked at so: reading its threads' contexts
   // (ptrace, from a helper) can hang for good on a thread of Frida's recovery from fork().
   followAll(paths, running) {
+    park();
     tracing = true;
     const contexts = new Map(running
       ? Process.enumerateThreads().map((t) => [t.id, t.context]) : []);
@@ -274,22 +311,40 @@ rpc.exports = {
   },
   // Ends the recording: {farBlocks, stillInFork: tids never out of their fork()}.
   stop() {
-    tracing = false;
-    const stillInFork = [...returning.keys()];
-    returning.clear();
-    for (const tid of threads.keys()) {
-      Stalker.unfollow(tid);
+    return finish();
+  },
+  // Frida unloads the script without stop() when the host is gone or drops the session: the
+  // rings are closed all the same, and the parked thread must return for the unload to end.
+  // Not in a forked child, where Frida closes its copy of this script (bt_park).
+  dispose() {
+    if (inTracedProcess()) {
+      finish();
     }
-    Stalker.flush();
-    Stalker.garbageCollect();
-    let far = 0;
-    for (const t of threads.values()) {
-      far += threadFarBlocks(t).toNumber();
-      threadClose(t);
-    }
-    threads.clear();
-    return { farBlocks: far, stillInFork };
   },
 };
+
+let finished = null;
+function finish() {
+  if (finished !== null) {
+    return finished;
+  }
+  tracing = false;
+  const stillInFork = [...returning.keys()];
+  returning.clear();
+  for (const tid of threads.keys()) {
+    Stalker.unfollow(tid);
+  }
+  Stalker.flush();
+  Stalker.garbageCollect();
+  let far = 0;
+  for (const t of threads.values()) {
+    far += threadFarBlocks(t).toNumber();
+    threadClose(t);
+  }
+  threads.clear();
+  release();
+  finished = { farBlocks: far, stillInFork };
+  return finished;
+}
 
 send({ type: 'ready' });
