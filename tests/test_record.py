@@ -349,10 +349,9 @@ def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, progr
     assert traced, (meta["processes"], res.stderr)
     for child in traced:
         assert calls_to(trace, child, programs["forkloop"], "f") == 7, res.stderr
-    if "Frida dropped its session" in res.stderr:  # in about 4 of 10 such attaches (README)
-        assert meta["detached"] is True and f"detached from pid {target.pid}" in res.stderr
-    else:
-        assert meta["threads"][str(target.pid)]["records"] > 0, res.stderr
+    # Frida dropped the program's session in 4 of 10 such attaches before the parked thread
+    assert "dropped" not in res.stderr, res.stderr
+    assert meta["threads"][str(target.pid)]["records"] > 0, res.stderr
 
 
 def test_attached_with_follow_fork_the_parent_stays_traced_while_children_live_on(
