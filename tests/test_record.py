@@ -377,6 +377,26 @@ def test_attached_with_follow_fork_the_parent_stays_traced_while_children_live_o
     assert trace.meta()["threads"][str(target.pid)]["gaps"] == {"fork": rounds}
 
 
+def test_attached_with_follow_fork_a_child_whose_child_lives_on_stays_traced(tmp_path, programs):
+    # a forked child parks no thread of its own: its parent's, inherited, holds off Frida
+    # in the grandchild as well (stalker_agent.c, bt_park)
+    nested = programs["nested"]
+    with attach_target(nested, 200000, "wait", stdin=subprocess.PIPE) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, "stream", "--follow-fork")
+        assert target.wait(timeout=30) == 0
+        out = target.stdout.read()
+    assert status == 0 and out.strip() == "nested 0", err
+    assert "dropped" not in err, err
+    trace = TraceDir.open(tmp_path / "d")
+    processes = {int(p): e for p, e in trace.meta()["processes"].items()}
+    (child,) = (p for p, e in processes.items() if e["ppid"] == target.pid)
+    (grandchild,) = (p for p, e in processes.items() if e["ppid"] == child)
+    assert all(e["exit_code"] == 0 for e in processes.values()), processes
+    assert calls_to(trace, grandchild, nested, "f") == 7
+    assert calls_to(trace, child, nested, "after") == 5
+    assert calls_to(trace, target.pid, nested, "after") == 5
+
+
 def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):
     # Without the release, about half of these attaches left a child spinning in exit() on
     # Frida's heap lock and the program waiting for it for good (README, fork).

@@ -305,14 +305,19 @@ class _Recording:
         self._done = threading.Event()
         self._drainer: threading.Thread | None = None
 
-    def load_agent(self, session: Any, pid: int, spawn: bool, main_ring: Path | None) -> _Agent:
-        """Load the agent into the process of `session`; raises if it does not start."""
+    def load_agent(
+        self, session: Any, pid: int, spawn: bool, main_ring: Path | None, park: bool
+    ) -> _Agent:
+        """Load the agent into the process of `session`; raises if it does not start.  With
+        `park` (--follow-fork) the agent parks a thread of its own, without which Frida drops
+        our session with the process once a child it forked has closed its copy of the
+        script (stalker_agent.c, bt_park); a forked child is covered by its parent's."""
         agent = _Agent(pid)
         params = {
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
             "spawn": spawn,
-            "park": self.options.follow_fork,
+            "park": park,
             "triggers": [t.__dict__ for t in self.options.triggers],
             "snapshots": self.options.snapshots,
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{pid}"),
@@ -600,7 +605,7 @@ class _ForkFollower:
             session.on("detached", lambda reason, crash: self.ended.add(pid))
             self.watch(session, pid)
             ring = self.rec.add_thread(pid, pid)
-            agent = self.rec.load_agent(session, pid, spawn=False, main_ring=None)
+            agent = self.rec.load_agent(session, pid, spawn=False, main_ring=None, park=False)
             _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)}, False)
         except Exception as e:
             why = str(e) or type(e).__name__
@@ -743,7 +748,7 @@ class StalkerEngine:
         try:
             session = device.attach(pid)
             main_ring = rec.add_thread(pid, pid)
-            rec.load_agent(session, pid, spawn=True, main_ring=main_ring)
+            rec.load_agent(session, pid, True, main_ring, park=options.follow_fork)
         except BaseException as e:
             with contextlib.suppress(Exception):
                 os.kill(pid, signal.SIGKILL)
@@ -856,7 +861,7 @@ class StalkerEngine:
         try:
             device = frida.get_local_device()
             session = device.attach(pid)
-            agent = rec.load_agent(session, pid, spawn=False, main_ring=None)
+            agent = rec.load_agent(session, pid, False, None, park=options.follow_fork)
             tids = agent.script.exports_sync.threads()
             paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
         except Exception as e:

@@ -451,16 +451,18 @@ int bt_hold_forks(int hold) {
 }
 
 /* --follow-fork: every child Frida holds inherits this script, and Frida in the child closes
-   it as soon as nothing holds it there; the close reaches the host under the session id the
-   child inherited, which is ours, and the host then drops our session with the traced
-   process (reason "application-requested") and unloads the agent from it.  A thread of ours
-   parked inside bt_park(), hooked by this script with a leave listener, holds the hook's
-   use count at one, and a forked child copies that count without the thread: in every
-   child the close waits for a thread that is not there, for good.  (A spawned program's
-   main thread, in main() through the hook that starts tracing, did the same by chance for
-   forks from main.)  The parked thread ends when the recording does (bt_unpark); it is
-   bt_park itself, so no code of this module runs after it has left the hook, and nobody
-   waits for it (a fork under way then can hold up its exit). */
+   it once nothing holds it there; the close reaches the host under the session id the child
+   inherited, which is ours, and the host then drops our session with the traced process
+   (reason "application-requested") and unloads the agent from it.  A thread of ours parked
+   inside bt_park(), hooked by this script with a leave listener, holds the hook's use count
+   at one, and a forked child copies that count without the thread: in the child the hook
+   can never be freed, and while any hook waits to be freed Gum has every closing script
+   wait, so no script there finishes closing -- nor in a grandchild, which inherits the
+   count too, so a child's own agent parks nothing.
+   (A spawned program, its main thread inside main() through the hook that starts tracing,
+   was so protected by chance while main() ran.)  The parked thread ends when the recording
+   does (bt_unpark); it is bt_park itself, so no code of this module runs after it has left
+   the hook, and nobody waits for it (a fork under way then can hold up its exit). */
 void *bt_park(void *arg) {
   STATE->parked = (int)syscall(186 /* gettid */);
   while (!STATE->unpark)
