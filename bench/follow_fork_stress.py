@@ -3,7 +3,8 @@ busy loops on the other cores, and count what went wrong: the program must finis
 all its children (40) exiting 0, and the recording must end with status 0.
 
     python bench/follow_fork_stress.py [--runs 16] [--busy 1] [--mode stream] [--duration 3]
-        [--rounds 40] [--pause-ms 50] [--start-after-ms 0] [--no-follow-fork] [--plain-frida]
+        [--rounds 40] [--pause-ms 50] [--child-ms 0] [--start-after-ms 0] [--no-follow-fork]
+        [--plain-frida]
 
 A reliability check, not a speed one: Frida's fork handling under child gating has races
 that show only under load (see README, fork).  `--rounds 400 --pause-ms 2 --no-follow-fork`
@@ -55,8 +56,9 @@ def children_states(pid: int) -> str:
 
 
 def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
+    pause_us, child_us = int(args.pause_ms * 1000), int(args.child_ms * 1000)
     target = subprocess.Popen(
-        [program, str(args.rounds), str(int(args.pause_ms * 1000)), str(args.start_after_ms)],
+        [program, str(args.rounds), str(pause_us), str(args.start_after_ms), str(child_us)],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -119,6 +121,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=3)
     parser.add_argument("--rounds", type=int, default=40, help="children the program forks")
     parser.add_argument("--pause-ms", type=float, default=50, help="between two forks")
+    parser.add_argument("--child-ms", type=float, default=0, help="each child lives this long")
     parser.add_argument("--start-after-ms", type=int, default=0, help="before the first fork")
     parser.add_argument("--no-follow-fork", action="store_true")
     parser.add_argument("--plain-frida", action="store_true", help="attach Frida, not record")
@@ -148,7 +151,8 @@ def main() -> int:
     what = "attaches (plain Frida" if args.plain_frida else f"recordings ({args.mode}"
     what += "" if args.plain_frida or args.no_follow_fork else ", --follow-fork"
     print(
-        f"{args.runs} {what}, {args.busy} busy loops, a fork every {args.pause_ms:g} ms): {summary}"
+        f"{args.runs} {what}, {args.busy} busy loops, a fork every {args.pause_ms:g} ms, "
+        f"children living {args.child_ms:g} ms): {summary}"
     )
     return 0 if sum(n for o, n in outcomes.items() if o.startswith("ok")) == args.runs else 1
 
