@@ -893,7 +893,7 @@ class StalkerEngine:
             if forks is None:
                 under_frida.attached(follow_new=True)
         except frida.InvalidOperationError as e:  # "script has been destroyed"
-            # Frida dropped the session as tracing started, as it does later on (README,
+            # Frida dropped the session as tracing started, as it could later on (README,
             # fork): a program that runs on keeps what was traced, as after a later drop
             if not (gone.wait(1) and _running(pid)):
                 if forks is not None:
