@@ -716,6 +716,38 @@ def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mo
     assert "untraced stretches (GAP records): signal 3" in info.stdout
 
 
+def test_detaching_from_a_program_asleep_in_a_system_call_does_not_wait_for_it(tmp_path, programs):
+    # Frida frees what Stalker keeps for a thread only once the thread runs again: a detach
+    # from a program asleep in a system call it entered traced waited for it to wake (the
+    # tool hung 10 s, then called the agent stuck and the program ended)
+    idle = programs["idle"]
+    with attach_target(idle, 8, stdin=subprocess.PIPE) as target:
+        tool = subprocess.Popen(
+            [*BT, "record", "-o", str(tmp_path / "d"), "--duration", "1", "-p", str(target.pid)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert tool.stderr is not None and "Ctrl-C to stop" in tool.stderr.readline()
+        assert target.stdin is not None
+        target.stdin.write("\n")
+        target.stdin.close()
+        _, err = tool.communicate(timeout=60)
+        assert target.poll() is None, "the recording ended only once the program woke"
+        assert tool.returncode == 0 and f"detached from pid {target.pid}" in err, err
+        assert f"Frida unloads its agent from pid {target.pid} only once" in err
+        assert "did not answer" not in err
+        trace = TraceDir.open(tmp_path / "d")
+        (tid,) = trace.threads()
+        assert calls_to(trace, tid, idle, "f") == 5
+        assert target.stdout.readline().strip() == "woke"
+        deadline = time.monotonic() + 10
+        while "frida-agent" in Path(f"/proc/{target.pid}/maps").read_text():
+            assert time.monotonic() < deadline, "the agent stayed after the program woke"
+            time.sleep(0.05)
+        assert target.wait(timeout=30) == 0
+        assert target.stdout.read().strip() == "done"
+
+
 def test_ctrl_c_when_attached_stops_detaches_and_keeps_the_trace(tmp_path, programs, spin):
     tool = subprocess.Popen(
         [*BT, "record", "-o", str(tmp_path / "d"), "-p", str(spin.pid)],

@@ -61,6 +61,8 @@ INLINE_CACHE = 32
 MIN_BUFFER = 8 * CHUNK
 #: seconds an agent may take to stop or detach before the host gives up on it
 AGENT_TIMEOUT = 10.0
+#: seconds a detach may take once the agent has stopped (_detached)
+DETACH_WAIT = 2.0
 #: how often a recording of a running process looks for children stuck on Frida's heap lock
 FORK_CHECK_INTERVAL = 0.25
 
@@ -237,6 +239,26 @@ def _forks_held(agent: _Agent) -> Iterator[None]:
         yield
     finally:
         exports.release_forks()
+
+
+def _detached(session: Any) -> bool:
+    """Detach from `session`, whose agent has stopped; False if Frida is still at it after
+    DETACH_WAIT s.  It goes on by itself: it frees what Stalker keeps for a thread only once
+    the thread runs again, so a detach waits for every thread that sits in a system call it
+    entered traced (a program sleeping, or waiting for input) -- for as long as that takes."""
+    try:
+        _bounded(session.detach, timeout=DETACH_WAIT)
+    except AgentTimeoutError:
+        return False
+    return True
+
+
+def _unloading_later(process: str) -> str:
+    return (
+        f"Frida unloads its agent from {process} only once its threads that sit in a system "
+        "call (sleeping, or waiting for input) run again; the trace is complete, and until "
+        "then the agent stays loaded, idle"
+    )
 
 
 def _stuck_agent(process: str) -> str:
@@ -650,20 +672,18 @@ class _ForkFollower:
                     self._let_go(int(child.pid))
         self.device.off("child-added", self._on_child_added)
         running = set(self.running())
+        # each may take DETACH_WAIT s (_detached)
+        detaching = [threading.Thread(target=self._detach, args=(pid,)) for pid in running]
+        for thread in detaching:
+            thread.start()
+        for thread in detaching:
+            thread.join()
         processes = {}
-        for pid, (session, agent) in self.children.items():
+        for pid in self.children:
             ending: dict[str, Any] = {"ppid": self.parents.get(pid)}
             if pid in self.untraced:
                 ending["untraced"] = self.untraced[pid]
             if pid in running:
-                try:
-                    if agent is not None:
-                        _bounded(agent.script.exports_sync.stop)
-                    _bounded(session.detach)
-                except AgentTimeoutError:
-                    self.rec._error(_stuck_agent(f"forked child {pid}"))
-                except Exception:
-                    pass  # it ended meanwhile
                 ending["detached"] = True
             else:
                 status = self.watcher.status(pid, timeout=2)
@@ -671,6 +691,18 @@ class _ForkFollower:
                     ending["exit_code"], ending["signal"] = describe(status)
             processes[pid] = ending
         return processes
+
+    def _detach(self, pid: int) -> None:
+        session, agent = self.children[pid]
+        try:
+            if agent is not None:
+                _bounded(agent.script.exports_sync.stop)
+            if not _detached(session):
+                self.rec._error(_unloading_later(f"forked child {pid}"))
+        except AgentTimeoutError:
+            self.rec._error(_stuck_agent(f"forked child {pid}"))
+        except Exception:
+            pass  # it ended meanwhile
 
 
 class StalkerEngine:
@@ -791,7 +823,7 @@ class StalkerEngine:
             forks.wait(stop, deadline)
             result.processes = forks.close()
         with contextlib.suppress(Exception):
-            _bounded(session.detach)
+            _detached(session)
         result.threads = rec.finish()
         # the watcher reads the exec event before the exit event (one socket, in order):
         # once it has the exit status it knows of any exec
@@ -923,6 +955,7 @@ class StalkerEngine:
         if forks is not None:
             result.processes = forks.close()
         under_frida.detaching()
+        agent_stays = False  #: Frida unloads its agent only later (_detached)
         if gone.is_set():  # before the end, or while the children were wound up
             self._attached_gone(pid, why_gone[0], rec, result, watcher)
         else:
@@ -942,7 +975,9 @@ class StalkerEngine:
                     result.warnings.append(
                         f"{far} blocks were not traced (above 2^47, or no memory for them)"
                     )
-                _bounded(session.detach)
+                if not _detached(session):
+                    result.warnings.append(_unloading_later(f"pid {pid}"))
+                    agent_stays = True
                 result.detached = True
             except AgentTimeoutError:
                 result.warnings.append(_stuck_agent(f"pid {pid}"))
@@ -953,7 +988,9 @@ class StalkerEngine:
                 else:
                     result.warnings.append(f"detaching failed: {e}")
                     rec.orphaned.add(pid)
-        result.warnings += _forks_under_frida_warnings(pid, under_frida, under_frida.settle())
+        # children are watched until the agent has left, unless it stays on for now
+        at_risk = under_frida.settle(timeout=0.2 if agent_stays else 2.0)
+        result.warnings += _forks_under_frida_warnings(pid, under_frida, at_risk)
         result.threads = rec.finish()
         return result
 
