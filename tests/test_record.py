@@ -397,6 +397,37 @@ def test_attached_with_follow_fork_a_child_whose_child_lives_on_stays_traced(tmp
     assert calls_to(trace, target.pid, nested, "after") == 5
 
 
+def test_a_forked_childs_session_frida_drops_is_reported_not_taken_for_its_end(
+    tmp_path, programs, monkeypatch
+):
+    # The parked thread keeps Frida from dropping a child's session (stalker_agent.c,
+    # bt_park); should it all the same, as it did before, that used to pass for the child's
+    # end, silently.  Here Frida is made to report a drop for the child once it is traced.
+    from branchtrace.engines import stalker
+    from branchtrace.engines.base import RecordOptions, Target
+
+    trace_child = stalker._ForkFollower._trace
+
+    def traced_then_dropped(self, child):
+        trace_child(self, child)
+        if int(child.parent_pid) not in self.parents:  # the program's child, not a grandchild
+            self._on_detached(int(child.pid), "application-requested")
+
+    monkeypatch.setattr(stalker._ForkFollower, "_trace", traced_then_dropped)
+    options = RecordOptions(output=tmp_path / "d", mode=Mode.STREAM, follow_fork=True)
+    target = Target(argv=(str(programs["nested"]),))
+    result = stalker.StalkerEngine().record(target, options, _Quiet(), threading.Event())
+    assert result.exit_code == 0
+    processes = {int(p): e for p, e in TraceDir.open(tmp_path / "d").meta()["processes"].items()}
+    (child,) = (p for p, e in processes.items() if e["ppid"] == result.pid)
+    assert processes[child] == {
+        "ppid": result.pid,
+        "dropped": "application-requested",
+        "detached": True,
+    }
+    assert any(f"Frida dropped its session with forked child {child}" in w for w in result.warnings)
+
+
 def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):
     # Without the release, about half of these attaches left a child spinning in exit() on
     # Frida's heap lock and the program waiting for it for good (README, fork).

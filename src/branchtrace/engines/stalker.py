@@ -579,6 +579,9 @@ class _ForkFollower:
         self.children: dict[int, tuple[Any, _Agent | None]] = {}  #: pid -> session, agent
         self.parents: dict[int, int] = {}
         self.ended: set[int] = set()
+        #: children whose session Frida dropped while they ran on, and why
+        self.dropped: dict[int, str] = {}
+        self._let_go_of: set[int] = set()  #: children we detach from ourselves
         self.untraced: dict[int, str] = {}  #: children Frida could not trace, and why
         self._gating: list[Any] = []  #: sessions holding their process's new children
         self._watched: set[int] = set()  #: their processes
@@ -624,7 +627,7 @@ class _ForkFollower:
         session = agent = None
         try:
             session = self.device.attach(pid)
-            session.on("detached", lambda reason, crash: self.ended.add(pid))
+            session.on("detached", lambda reason, crash: self._on_detached(pid, reason))
             self.watch(session, pid)
             ring = self.rec.add_thread(pid, pid)
             agent = self.rec.load_agent(session, pid, spawn=False, main_ring=None, park=False)
@@ -637,6 +640,13 @@ class _ForkFollower:
             self.children[pid] = (session, agent)
             with contextlib.suppress(Exception):
                 self.device.resume(pid)
+
+    def _on_detached(self, pid: int, reason: str) -> None:
+        ours = reason == "application-requested" and pid in self._let_go_of
+        if not ours and reason not in ("process-terminated", "process-replaced") and _running(pid):
+            self.dropped[pid] = reason
+            self.rec.orphaned.add(pid)  # its last records are read from the live rings
+        self.ended.add(pid)
 
     def running(self) -> list[int]:
         return [
@@ -683,7 +693,10 @@ class _ForkFollower:
             ending: dict[str, Any] = {"ppid": self.parents.get(pid)}
             if pid in self.untraced:
                 ending["untraced"] = self.untraced[pid]
-            if pid in running:
+            if pid in self.dropped:
+                self.rec._error(_dropped_warning(f"forked child {pid}", self.dropped[pid]))
+                ending["dropped"] = self.dropped[pid]
+            if pid in running or pid in self.dropped:
                 ending["detached"] = True
             else:
                 status = self.watcher.status(pid, timeout=2)
@@ -694,6 +707,7 @@ class _ForkFollower:
 
     def _detach(self, pid: int) -> None:
         session, agent = self.children[pid]
+        self._let_go_of.add(pid)
         try:
             if agent is not None:
                 _bounded(agent.script.exports_sync.stop)
