@@ -426,6 +426,8 @@ def test_a_forked_childs_session_frida_drops_is_reported_not_taken_for_its_end(
         "detached": True,
     }
     assert any(f"Frida dropped its session with forked child {child}" in w for w in result.warnings)
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert "1 dropped by Frida" in info.stdout, info.stdout
 
 
 def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):

@@ -104,6 +104,8 @@ def _ending(meta: dict[str, Any]) -> str:
             return f"killed by signal {meta['signal']}"
     if meta.get("exit_code") is not None:
         return f"exited with status {meta['exit_code']}"
+    if meta.get("dropped"):  # Frida dropped our session with it
+        return "dropped by Frida, left running untraced"
     if meta.get("detached"):
         return "detached, left running"
     if "ppid" in meta:  # a forked child's entry
