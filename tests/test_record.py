@@ -758,15 +758,7 @@ def test_detaching_from_a_program_asleep_in_a_system_call_does_not_wait_for_it(t
     # tool hung 10 s, then called the agent stuck and the program ended)
     idle = programs["idle"]
     with attach_target(idle, 8, stdin=subprocess.PIPE) as target:
-        tool = subprocess.Popen(
-            [*BT, "record", "-o", str(tmp_path / "d"), "--duration", "1", "-p", str(target.pid)],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert tool.stderr is not None and "Ctrl-C to stop" in tool.stderr.readline()
-        assert target.stdin is not None
-        target.stdin.write("\n")
-        target.stdin.close()
+        tool = attached_and_let_go(tmp_path / "d", target, "--duration", "1")
         _, err = tool.communicate(timeout=60)
         assert target.poll() is None, "the recording ended only once the program woke"
         assert tool.returncode == 0 and f"detached from pid {target.pid}" in err, err
@@ -801,14 +793,11 @@ def test_ctrl_c_when_attached_stops_detaches_and_keeps_the_trace(tmp_path, progr
     assert sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads()) > 20
 
 
-def attached_until_the_end(
-    out: Path, target: subprocess.Popen, mode: str, *options: str
-) -> tuple[int, str]:
+def attached_and_let_go(out: Path, target: subprocess.Popen, *options: str) -> subprocess.Popen:
     """`record -p` of `target`, which is let go on (a line on its stdin) once the recording
-    says it has begun; returns the tool's exit status and stderr."""
-    command = [*BT, "record", "-o", str(out), "--mode", mode, "--duration", "120", *options]
+    says it has begun."""
     tool = subprocess.Popen(
-        [*command, "-p", str(target.pid)],
+        [*BT, "record", "-o", str(out), *options, "-p", str(target.pid)],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -816,6 +805,14 @@ def attached_until_the_end(
     assert target.stdin is not None
     target.stdin.write("\n")
     target.stdin.close()
+    return tool
+
+
+def attached_until_the_end(
+    out: Path, target: subprocess.Popen, mode: str, *options: str
+) -> tuple[int, str]:
+    """attached_and_let_go, recording until the program ends: the tool's status and stderr."""
+    tool = attached_and_let_go(out, target, "--mode", mode, "--duration", "120", *options)
     _, err = tool.communicate(timeout=120)
     return tool.returncode, err
 

@@ -107,7 +107,7 @@ typedef struct {
   volatile int ic_done;
   int forks_held;        /* bt_hold_forks(): fork() waits at its entry meanwhile */
   int forks_in_flight;   /* threads between the entry and the return of fork() */
-  volatile int parked;   /* the parked thread is inside bt_park() (bt_park) */
+  volatile int parked;   /* the parked thread's tid, once it waits in bt_park() */
   volatile int unpark;   /* it may return */
 } BtState;
 

@@ -14,7 +14,7 @@ state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
 state.add(8 + 8 * 4096 + 8).writeU64(0); // no fork held or under way
-const PARKED = 8 + 8 * 4096 + 16; // the parked thread's tid (bt_park)
+const PARKED = 8 + 8 * 4096 + 16; // BtState.parked: the parked thread's tid (bt_park)
 state.add(PARKED).writeU64(0); // none yet, and it need not return
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
