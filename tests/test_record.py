@@ -357,6 +357,26 @@ def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, progr
     assert meta["threads"][str(target.pid)]["records"] > 0, res.stderr
 
 
+def test_attached_with_follow_fork_to_a_program_inside_fork_it_and_its_children_live(
+    tmp_path, programs
+):
+    # slowfork is nearly always inside fork() (an atfork handler sleeps), so as Frida adds its
+    # own fork() hook for child gating, a fork() waits to go on.  Held inside fork() it got
+    # Frida's recovery from fork() without Frida's preparation, and the program or its child
+    # died in Frida's code; it now waits in front of fork() (bt_fork_gate).
+    slowfork, rounds = programs["slowfork"], 20
+    with attach_target(slowfork, 50, rounds) as target:
+        res = record(tmp_path / "d", "--follow-fork", "--duration", "0.6", "-p", str(target.pid))
+        out = output_after(target, res)
+    assert res.returncode == 0, res.stderr
+    assert out.strip() == f"{rounds} {rounds}" and target.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    processes = {int(p): e for p, e in trace.meta()["processes"].items()}
+    assert processes and all(e["exit_code"] == 0 for e in processes.values()), res.stderr
+    for child in processes:
+        assert calls_to(trace, child, slowfork, "f") == 3, res.stderr
+
+
 def test_attached_with_follow_fork_the_parent_stays_traced_while_children_live_on(
     tmp_path, programs
 ):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -20,7 +21,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -226,16 +227,24 @@ def _bounded(call: Any, *args: Any, timeout: float = AGENT_TIMEOUT) -> Any:
 
 
 @contextlib.contextmanager
-def _forks_held(agent: _Agent) -> Iterator[None]:
-    """The attached process's fork() calls wait at their entry (in the agent) meanwhile,
-    and none is under way: following a thread from outside while it is inside Frida's
-    fork handling, or turning child gating on while a fork is under way, crashes or
-    deadlocks the process or its child in Frida's code."""
+def _forks_held(agent: _Agent, gating: Callable[[], None] | None = None) -> Iterator[None]:
+    """The attached process's fork() calls wait meanwhile, and none is under way: a thread
+    followed from outside on its way into fork() is taken through it by Stalker and its
+    child dies.  `gating` (turning child gating on) runs first, while no fork() is under way
+    nor held inside fork(): one that is as Frida adds its own fork() hook dies in Frida's
+    code, or its child does (bt_hold_forks in stalker_agent.c)."""
     exports = agent.script.exports_sync
-    try:
+
+    def wait_for_forks(hold: int) -> None:
         deadline = time.monotonic() + AGENT_TIMEOUT
-        while exports.hold_forks() and time.monotonic() < deadline:
+        while exports.hold_forks(hold) and time.monotonic() < deadline:
             time.sleep(0.001)
+
+    try:
+        if gating is not None:
+            wait_for_forks(2)  # gated in front of fork(), not held inside it
+            gating()
+        wait_for_forks(1)
         yield
     finally:
         exports.release_forks()
@@ -929,9 +938,8 @@ class StalkerEngine:
             if options.follow_fork:
                 forks = _ForkFollower(device, rec, watcher)
                 under_frida.attached(follow_new=False)
-            with _forks_held(agent):
-                if forks is not None:
-                    forks.watch(session, pid)
+            gating = None if forks is None else functools.partial(forks.watch, session, pid)
+            with _forks_held(agent, gating):
                 untraced = agent.script.exports_sync.follow_all(paths, True)
             for tid, why in untraced.items():
                 rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": why})

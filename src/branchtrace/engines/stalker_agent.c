@@ -109,6 +109,8 @@ typedef struct {
   int forks_in_flight;   /* threads between the entry and the return of fork() */
   volatile int parked;   /* the parked thread's tid, once it waits in bt_park() */
   volatile int unpark;   /* it may return */
+  int forks_gated;       /* bt_fork_gate(): fork() calls wait before fork() meanwhile */
+  int forks_passing;     /* threads past that gate and not yet back from fork() */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -435,19 +437,48 @@ void bt_on_fork_return(GumInvocationContext *ic) {
     bt_fork_returned();
 }
 
-/* Frida breaks a fork() that is under way while child gating is being turned on (the child
-   dies in Frida's code), so the host holds new forks at their entry meanwhile: hold = 1
-   holds them, and returns how many are still under way (the host waits for 0); hold = 0
-   lets them go. */
+/* The host holds new forks while it follows the threads of a process it attached to (a
+   thread followed from outside on its way into fork() is taken through it by Stalker, and
+   its child dies), and, with --follow-fork, while Frida adds its own fork() hook (child
+   gating).  A thread inside a hooked fork() as that hook is added gets Frida's recovery from
+   fork() without Frida's preparation for it -- Gum calls the listeners there at the entry on
+   the way in and those there at the exit on the way out -- and the process or its child dies
+   in Frida's code.  So then no fork() may be under way or held inside fork(): calls through
+   the program's GOT wait at a gate in front of fork() instead (bt_fork_gate, put in the GOT
+   by stalker_agent.js).  hold: 0 lets every fork go; 1 gates them and holds them at fork()'s
+   entry too; 2 only gates them.  Returns how many are still past the gate or inside fork()
+   (the host waits for 0). */
 int bt_hold_forks(int hold) {
-  if (!hold) {
+  if (hold != 1) {
     g_atomic_int_add(&STATE->forks_held, -STATE->forks_held);
     bt_futex_wake((uint32_t *)&STATE->forks_held);
+  }
+  if (!hold) {
+    g_atomic_int_add(&STATE->forks_gated, -STATE->forks_gated);
+    bt_futex_wake((uint32_t *)&STATE->forks_gated);
     return 0;
   }
-  if (!g_atomic_int_add(&STATE->forks_held, 0))
+  if (!g_atomic_int_add(&STATE->forks_gated, 0))
+    g_atomic_int_add(&STATE->forks_gated, 1);
+  if (hold == 1 && !g_atomic_int_add(&STATE->forks_held, 0))
     g_atomic_int_add(&STATE->forks_held, 1);
-  return g_atomic_int_add(&STATE->forks_in_flight, 0);
+  return g_atomic_int_add(&STATE->forks_in_flight, 0) + g_atomic_int_add(&STATE->forks_passing, 0);
+}
+
+extern int fork(void);
+
+int bt_fork_gate(void) {
+  int passing = !in_forked_child(); /* a child runs on with its copy of a patched GOT */
+  if (passing)
+    while (g_atomic_int_add(&STATE->forks_passing, 1), g_atomic_int_add(&STATE->forks_gated, 0)) {
+      g_atomic_int_add(&STATE->forks_passing, -1);
+      while (g_atomic_int_add(&STATE->forks_gated, 0))
+        bt_futex_wait((uint32_t *)&STATE->forks_gated, 1, 1000000);
+    }
+  int pid = fork();
+  if (passing && pid != 0)
+    g_atomic_int_add(&STATE->forks_passing, -1);
+  return pid;
 }
 
 /* --follow-fork: every child Frida holds inherits this script, and Frida in the child closes

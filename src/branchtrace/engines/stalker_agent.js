@@ -9,13 +9,14 @@ const libc = (name) => Module.getGlobalExportByName(name);
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 24); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 32); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
 state.add(8 + 8 * 4096 + 8).writeU64(0); // no fork held or under way
 const PARKED = 8 + 8 * 4096 + 16; // BtState.parked: the parked thread's tid (bt_park)
 state.add(PARKED).writeU64(0); // none yet, and it need not return
+state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
@@ -69,7 +70,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_before_fork: beforeFork,
   bt_after_fork: afterFork,
   bt_fork_returned: forkReturned,
-  open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
+  fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
   mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
   clock_gettime: libc('clock_gettime'), memset: libc('memset'), strlen: libc('strlen'),
 });
@@ -262,17 +263,50 @@ function forkReturnAddress(context) {
 }
 const probedReturns = new Set();
 
+// The program's calls of fork() go through bt_fork_gate (stalker_agent.c) while forks are
+// held: each GOT slot of fork() points there meanwhile.
+const gated = []; // [slot, what it held, the protection of its page]
+function gateForks() {
+  if (gated.length > 0) {
+    return;
+  }
+  for (const module of Process.enumerateModules()) {
+    for (const imported of module.enumerateImports()) {
+      if (imported.name !== 'fork' || !imported.slot) {
+        continue;
+      }
+      const range = Process.findRangeByAddress(imported.slot);
+      if (range === null) {
+        continue;
+      }
+      gated.push([imported.slot, imported.slot.readPointer(), range.protection]);
+      Memory.protect(imported.slot, Process.pointerSize, 'rw-');
+      imported.slot.writePointer(cm.bt_fork_gate);
+      Memory.protect(imported.slot, Process.pointerSize, range.protection);
+    }
+  }
+}
+function ungateForks() {
+  for (const [slot, original, protection] of gated.splice(0)) {
+    Memory.protect(slot, Process.pointerSize, 'rw-');
+    slot.writePointer(original);
+    Memory.protect(slot, Process.pointerSize, protection);
+  }
+}
+
 rpc.exports = {
   threads() {
     const parked = state.add(PARKED).readS32();
     return Process.enumerateThreads().map((t) => t.id).filter((tid) => tid !== parked);
   },
-  // hold new fork()s; how many are still under way
-  holdForks() {
-    return holdForks(1);
+  // hold new fork()s (bt_hold_forks); how many are still under way
+  holdForks(how) {
+    gateForks();
+    return holdForks(how);
   },
   releaseForks() {
     holdForks(0);
+    ungateForks();
   },
   // Follows the threads of `paths` (tid -> ring).  Attaching (`running`), one inside a fork()
   // that began before the hook is followed where that fork() returns (Stalker would take it
@@ -343,6 +377,8 @@ function finish() {
   }
   threads.clear();
   release();
+  holdForks(0); // else a fork() held as the host went away would wait for good
+  ungateForks();
   finished = { farBlocks: far, stillInFork };
   return finished;
 }
