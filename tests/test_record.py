@@ -271,6 +271,23 @@ def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs
     assert_counts_are_the_records(trace)
 
 
+def test_a_fork_run_untraced_returns_in_the_call_history(tmp_path, programs):
+    # fork() runs unfollowed (a GAP) and its return is never recorded; the trace resumes
+    # where it returns to, so the call history pops its frame there.  Before, every round
+    # nested one level deeper.
+    rounds, forkloop = 5, programs["forkloop"]
+    res = record(tmp_path / "d", "--", str(forkloop), str(rounds), "0")
+    assert res.returncode == 0 and res.stdout.split()[-1] == str(rounds), res.stderr
+    t = branchtrace.open(tmp_path / "d")
+    history = t.calls(t.threads[0])
+    names = [history.function_name(f) for f in history.segments["function"]]
+    depth_of = list(zip(history.segments["depth"].tolist(), names, strict=True))
+    depths = {d for d, name in depth_of if name == "round_done"}
+    assert len(depths) == 1 and names.count("round_done") == rounds, depth_of
+    (main_depth,) = {d for d, name in depth_of if name == "main"}
+    assert depths == {main_depth + 1}
+
+
 @pytest.mark.parametrize("mode", ["stream", "wrap"])
 def test_follow_fork_traces_parent_and_child_exactly(tmp_path, programs, mode):
     res = record(tmp_path / "d", "--follow-fork", "--", str(programs["fork"]), mode=mode)

@@ -282,8 +282,17 @@ def _calls_part(
             depth += 1
             how = HOW_SIGNAL
         elif brk != BREAK_NONE:
-            # untraced code ran in between (a GAP) or records were lost: the stack stays
-            if nf != cur:
+            # untraced code ran in between (a GAP) or records were lost: the stack stays,
+            # but where the trace resumes at the return address of a call on it, that call
+            # returned meanwhile (fork(), which runs untraced, returns so)
+            j = sp - 1
+            while j >= 0 and ret[j] != tgt:
+                j -= 1
+            if j >= 0:
+                depth -= sp - j
+                sp = j
+                how = HOW_RESUME
+            elif nf != cur:
                 how = HOW_RESUME
         else:
             k = kind[b]
@@ -359,8 +368,10 @@ def call_segments(
     A shadow stack of (return address, caller function) follows calls and returns; a
     return to no address on it (a longjmp-like unwind, an exception's landing pad) pops
     to the nearest frame of the function it lands in, and only when there is none it
-    goes one level up (the trace began mid-stack).  A jump to another function's entry
-    is a tail call (same depth).  Depths start at 0 for the oldest block and may go
+    goes one level up (the trace began mid-stack).  Across a break (untraced code, lost
+    records) the stack stays, unless the trace resumes at the return address of a call on
+    it: that call returned.  A jump to another function's entry is a tail call (same
+    depth).  Depths start at 0 for the oldest block and may go
     negative for a trace that begins mid-stack; callers rebase them."""
     cap = 1024
     seg = [np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)]
