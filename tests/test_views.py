@@ -4,6 +4,7 @@ fixtures with known answers."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -97,6 +98,18 @@ def test_stats_count_calls_per_function_and_thread(tmp_path, programs):
     assert sorted(t.get("g", 0) for t in threads["threads"].values()) == [0, 1009, 2003, 3001, 4001]
     table = bt("stats", tmp_path / "fib", "-n", "3")
     assert table.returncode == 0 and "21,891" in table.stdout and "fib" in table.stdout
+    # a column per thread only while they fit: the function names are never cut short
+    wide = bt("stats", tmp_path / "threads", "-n", "1")
+    assert wide.stdout.splitlines()[0].split()[1:-1] == [f"T{t}" for t in threads["threads"]]
+    narrow = subprocess.run(
+        [*BT, "stats", str(tmp_path / "threads"), "-n", "1"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "24"},
+    )
+    rows = [line.split() for line in narrow.stdout.splitlines()[:2]]
+    assert rows == [["calls", "function"], ["10,014", "g"]], narrow.stdout
+    assert "5 threads: too many to list side by side here" in narrow.stdout
 
 
 def test_a_wrap_trace_starting_mid_stack_has_no_negative_depth(tmp_path, programs):

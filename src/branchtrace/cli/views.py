@@ -291,19 +291,27 @@ def stats(path: Path, top: int, tid: int | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(counts))
         return
+    rows = list(_top(functions, top))
+    # a column per thread while they fit beside the names, which are never cut short
+    columns = threads if len(threads) > 1 else []
+    widest = max((len(f"{n:,}") + 1 + len(name) for name, n in rows), default=0)
+    if widest + sum(len(f" T{t}") for t in columns) > out.width:
+        columns = []
     table = Table(box=None, header_style="bold", pad_edge=False)
-    table.add_column("calls", justify="right")
-    for t in threads if len(threads) > 1 else []:
-        table.add_column(f"T{t}", justify="right")
-    table.add_column("function")
-    for name, n in _top(functions, top):
-        cells = (
-            [f"{per_thread[str(t)].get(name, 0):,}" for t in threads] if len(threads) > 1 else []
-        )
-        table.add_row(f"{n:,}", *cells, name)
+    table.add_column("calls", justify="right", no_wrap=True)
+    for t in columns:
+        table.add_column(f"T{t}", justify="right", no_wrap=True)
+    table.add_column("function", no_wrap=True, overflow="ignore")
+    for name, n in rows:
+        table.add_row(f"{n:,}", *(f"{per_thread[str(t)].get(name, 0):,}" for t in columns), name)
     out.print(table)
     if top and len(functions) > top:
         out.print(f"[dim]... {len(functions) - top} more functions (-n 0 lists all)[/dim]")
+    if len(threads) > 1 and not columns:
+        out.print(
+            f"[dim]{len(threads)} threads: too many to list side by side here; --tid T "
+            "for one, --json for all[/dim]"
+        )
 
 
 def _top(items: dict[str, int], top: int) -> Iterator[tuple[str, int]]:
