@@ -689,6 +689,33 @@ def test_sched_records_context_switches_merged_in_time_order(tmp_path, programs)
     assert "switches" in info.stdout and str(switches) in info.stdout
 
 
+def test_sched_without_perf_event_open_warns_and_records_the_branches(
+    tmp_path, programs, monkeypatch
+):
+    # as root perf_event_open is never refused here, so its refusal is simulated
+    import errno
+
+    from branchtrace.engines import stalker
+    from branchtrace.engines.base import RecordOptions, Target
+
+    def refused(tid: int) -> None:
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(stalker, "SwitchRecorder", refused)
+    options = RecordOptions(output=tmp_path / "d", mode=Mode.STREAM, sched=True)
+    target = Target(argv=(str(programs["sleeper"]),))
+    result = stalker.StalkerEngine().record(target, options, _Quiet(), threading.Event())
+    assert result.exit_code == 0
+    (warning,) = (w for w in result.warnings if "context switches" in w)
+    assert "perf_event_open failed (Permission denied); recording continues without them" in (
+        warning
+    )
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert trace.meta()["threads"][str(tid)].get("switches", 0) == 0
+    assert calls_to(trace, tid, programs["sleeper"], "f") == 20
+
+
 def test_killing_the_tool_in_stream_mode_does_not_block_the_program(tmp_path, programs):
     n = 20_000_000  # fills a 512 KiB ring thousands of times over
     tool = subprocess.Popen(
