@@ -247,7 +247,8 @@ def _forks_held(agent: _Agent, gating: Callable[[], None] | None = None) -> Iter
         wait_for_forks(1)
         yield
     finally:
-        exports.release_forks()
+        with contextlib.suppress(frida.InvalidOperationError):  # gone: it let them go itself
+            agent.script.post({"type": "release-forks"})
 
 
 def _detached(session: Any) -> bool:

@@ -294,6 +294,17 @@ function ungateForks() {
   }
 }
 
+// The host lets held forks go with a message, not an rpc call: the call's reply would still
+// be on its way out as they went ahead, and the child of one, under child gating, inherits
+// that unfinished exchange with the host and dies in Frida's recovery from fork()
+// (agent+0x2dcd2a).  A message of the host's leaves nothing unfinished here.
+function releaseForks() {
+  holdForks(0);
+  ungateForks();
+  recv('release-forks', releaseForks);
+}
+recv('release-forks', releaseForks);
+
 rpc.exports = {
   threads() {
     const parked = state.add(PARKED).readS32();
@@ -303,10 +314,6 @@ rpc.exports = {
   holdForks(how) {
     gateForks();
     return holdForks(how);
-  },
-  releaseForks() {
-    holdForks(0);
-    ungateForks();
   },
   // Follows the threads of `paths` (tid -> ring).  Attaching (`running`), one inside a fork()
   // that began before the hook is followed where that fork() returns (Stalker would take it
