@@ -98,6 +98,7 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
             print(said, file=sys.stderr)
             return f"the program died of {signal.Signals(-target.returncode).name}"
         if recording.returncode != 0:
+            print(said, file=sys.stderr)
             return f"recording status {recording.returncode}"
         if printed.strip() != str(args.rounds):
             print(said, file=sys.stderr)
