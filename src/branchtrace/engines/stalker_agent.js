@@ -360,6 +360,8 @@ rpc.exports = {
   dispose() {
     if (inTracedProcess()) {
       finish();
+      holdForks(0); // else a fork() held as the host went away would wait for good
+      ungateForks();
     }
   },
 };
@@ -384,8 +386,6 @@ function finish() {
   }
   threads.clear();
   release();
-  holdForks(0); // else a fork() held as the host went away would wait for good
-  ungateForks();
   finished = { farBlocks: far, stillInFork };
   return finished;
 }
