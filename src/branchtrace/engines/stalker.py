@@ -233,41 +233,22 @@ def _forks_held(agent: _Agent, gating: Callable[[], None] | None = None) -> Iter
     child dies.  `gating` (turning child gating on) runs first, while no fork() is under way
     nor held inside fork(): one that is as Frida adds its own fork() hook dies in Frida's
     code, or its child does (bt_hold_forks in stalker_agent.c)."""
+    exports = agent.script.exports_sync
+
+    def wait_for_forks(hold: int) -> None:
+        deadline = time.monotonic() + AGENT_TIMEOUT
+        while exports.hold_forks(hold) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
     try:
         if gating is not None:
-            _wait_for_forks(agent, 2)  # gated in front of fork(), not held inside it
+            wait_for_forks(2)  # gated in front of fork(), not held inside it
             gating()
-        _wait_for_forks(agent, 1)
+        wait_for_forks(1)
         yield
     finally:
-        _let_forks_go(agent)
-
-
-def _wait_for_forks(agent: _Agent, hold: int) -> None:
-    """Hold the forks (bt_hold_forks) until none is under way, or AGENT_TIMEOUT s."""
-    deadline = time.monotonic() + AGENT_TIMEOUT
-    while agent.script.exports_sync.hold_forks(hold) and time.monotonic() < deadline:
-        time.sleep(0.001)
-
-
-def _let_forks_go(agent: _Agent) -> None:
-    """With a message, not an rpc call: the call's reply would still be on its way out of
-    the agent as the forks went ahead, and a child that inherits it unsent dies in Frida's
-    recovery from fork() under child gating (agent+0x2dcd2a)."""
-    with contextlib.suppress(frida.InvalidOperationError):  # gone: it let them go itself
-        agent.script.post({"type": "release-forks"})
-
-
-def _stopped(agent: _Agent) -> dict[str, Any]:
-    """The attached process's agent stopped (rpc stop) while its forks wait in front of
-    fork(): a child forked as the reply to stop() was on its way out inherited it unsent,
-    and died in Frida's recovery from fork() (1 in 100 recordings of a program forking every
-    2 ms).  They go on once the reply is here."""
-    try:
-        _bounded(_wait_for_forks, agent, 2, timeout=AGENT_TIMEOUT + 1)  # then stops anyway
-        return dict(_bounded(agent.script.exports_sync.stop))
-    finally:
-        _let_forks_go(agent)
+        with contextlib.suppress(frida.InvalidOperationError):  # gone: it let them go itself
+            agent.script.post({"type": "release-forks"})
 
 
 def _detached(session: Any) -> bool:
@@ -1002,7 +983,7 @@ class StalkerEngine:
             self._attached_gone(pid, why_gone[0], rec, result, watcher)
         else:
             try:
-                stopped = _stopped(agent)
+                stopped = _bounded(agent.script.exports_sync.stop)
                 far = stopped.get("farBlocks", 0)
                 for tid in stopped.get("stillInFork", []):
                     rec.untraced_threads.append(

@@ -360,8 +360,6 @@ rpc.exports = {
   dispose() {
     if (inTracedProcess()) {
       finish();
-      holdForks(0); // else a fork() held as the host went away would wait for good
-      ungateForks();
     }
   },
 };
@@ -386,6 +384,8 @@ function finish() {
   }
   threads.clear();
   release();
+  holdForks(0); // else a fork() held as the host went away would wait for good
+  ungateForks();
   finished = { farBlocks: far, stillInFork };
   return finished;
 }
