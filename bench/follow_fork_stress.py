@@ -104,6 +104,7 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
             print(said, file=sys.stderr)
             return f"{printed.strip() or 'no'} good children of {args.rounds}"
         if "dropped its session" in said:
+            print(said, file=sys.stderr)
             return "Frida dropped the program's session (it ran on fine; its trace ends early)"
         if "branchtrace released it" in said:
             return "ok, a child stuck on Frida's heap lock released"
