@@ -230,6 +230,15 @@ _CALL, _ICALL, _RET, _SYSCALL = (
 
 
 @nb.njit(cache=True, nogil=True)
+def _frame_of(stack, sp, value):  # type: ignore[no-untyped-def]
+    """The newest of the first `sp` frames of `stack` that holds `value`; -1 if none."""
+    j = sp - 1
+    while j >= 0 and stack[j] != value:
+        j -= 1
+    return j
+
+
+@nb.njit(cache=True, nogil=True)
 def _calls_part(
     ids,
     break_at,
@@ -285,9 +294,7 @@ def _calls_part(
             # untraced code ran in between (a GAP) or records were lost: the stack stays,
             # but where the trace resumes at the return address of a call on it, that call
             # returned meanwhile (fork(), which runs untraced, returns so)
-            j = sp - 1
-            while j >= 0 and ret[j] != tgt:
-                j -= 1
+            j = _frame_of(ret, sp, tgt)
             if j >= 0:
                 depth -= sp - j
                 sp = j
@@ -305,13 +312,9 @@ def _calls_part(
                 how = HOW_CALL
             elif k == _RET or (k == _SYSCALL and tgt != fall):
                 # a return, or rt_sigreturn back into interrupted code
-                j = sp - 1
-                while j >= 0 and ret[j] != tgt:
-                    j -= 1
+                j = _frame_of(ret, sp, tgt)
                 if j < 0 and nf >= 0:
-                    j = sp - 1
-                    while j >= 0 and caller[j] != nf:
-                        j -= 1
+                    j = _frame_of(caller, sp, nf)
                 if j >= 0:
                     depth -= sp - j
                     sp = j
@@ -326,9 +329,7 @@ def _calls_part(
                 if nf >= 0 and tgt == func_start[nf]:
                     how = HOW_TAIL
                 else:
-                    j = sp - 1
-                    while j >= 0 and caller[j] != nf:
-                        j -= 1
+                    j = _frame_of(caller, sp, nf)
                     if j >= 0 and nf >= 0:  # longjmp: back into a frame still on the stack
                         depth -= sp - j
                         sp = j
