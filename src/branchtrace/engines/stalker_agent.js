@@ -70,9 +70,10 @@ const cm = new CModule(PARAMS.cSource, {
   bt_before_fork: beforeFork,
   bt_after_fork: afterFork,
   bt_fork_returned: forkReturned,
-  fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'), lseek: libc('lseek'),
-  mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'), syscall: libc('syscall'),
-  clock_gettime: libc('clock_gettime'), memset: libc('memset'), strlen: libc('strlen'),
+  fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
+  lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
+  syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),
+  strlen: libc('strlen'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
 // What the host reads only at the end goes to a file, one JSON object a line (bt_note), rather
@@ -266,10 +267,12 @@ const probedReturns = new Set();
 // The program's calls of fork() go through bt_fork_gate (stalker_agent.c) while forks are
 // held: each GOT slot of fork() points there meanwhile.
 const gated = []; // [slot, what it held, the protection of its page]
+let gateOn = false; // the host asks again every millisecond while it waits
 function gateForks() {
-  if (gated.length > 0) {
+  if (gateOn) {
     return;
   }
+  gateOn = true;
   for (const module of Process.enumerateModules()) {
     for (const imported of module.enumerateImports()) {
       if (imported.name !== 'fork' || !imported.slot) {
@@ -287,6 +290,7 @@ function gateForks() {
   }
 }
 function ungateForks() {
+  gateOn = false;
   for (const [slot, original, protection] of gated.splice(0)) {
     Memory.protect(slot, Process.pointerSize, 'rw-');
     slot.writePointer(original);
