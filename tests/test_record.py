@@ -370,8 +370,10 @@ def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, progr
     assert res.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")
     meta = trace.meta()
-    assert out.strip() == str(rounds) and target.returncode == 0, (meta["processes"], res.stderr)
     finished = {int(p): e for p, e in meta["processes"].items() if e.get("exit_code") == 0}
+    others = {p: e for p, e in meta["processes"].items() if int(p) not in finished}
+    # (forkloop says on stderr how a child that did not exit 0 ended)
+    assert out.strip() == str(rounds) and target.returncode == 0, (others, res.stderr)
     assert all(e["ppid"] == target.pid for e in meta["processes"].values())
     # Frida can fail to take a child under load (its lock held across fork): never silently
     traced = [child for child, e in finished.items() if "untraced" not in e]

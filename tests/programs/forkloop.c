@@ -1,7 +1,8 @@
 /* An attach target that forks: says "ready", waits START_MS milliseconds (0; -1: until a
    line on stdin), then ROUNDS times (40), PAUSE_US microseconds (50000) apart, forks a child
    that calls f exactly 7 times, lives CHILD_US microseconds more (0) and exits 0, and calls
-   round_done once it has waited for it; prints how many children exited 0. */
+   round_done once it has waited for it; prints how many children exited 0, and on stderr
+   how each other one ended. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -32,7 +33,14 @@ int main(int argc, char **argv) {
     }
     int status;
     waitpid(child, &status, 0);
-    ok += WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      ok++;
+    else if (WIFSIGNALED(status))
+      fprintf(stderr, "forkloop: child %d (round %d) killed by signal %d\n", child, round,
+              WTERMSIG(status));
+    else
+      fprintf(stderr, "forkloop: child %d (round %d) exited with status %d\n", child, round,
+              WEXITSTATUS(status));
     round_done(round);
     usleep(pause_us);
   }

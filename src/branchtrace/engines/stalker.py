@@ -914,17 +914,6 @@ class StalkerEngine:
             pass
         rec.tracedir.write_meta(meta)
         under_frida = ForksUnderFrida(pid)
-        try:
-            device = frida.get_local_device()
-            session = device.attach(pid)
-            agent = rec.load_agent(session, pid, False, None, park=options.follow_fork)
-            tids = agent.script.exports_sync.threads()
-            paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
-        except Exception as e:
-            _settle_forks(pid, under_frida, events)
-            if isinstance(e, BranchtraceError):
-                raise
-            raise _frida_error(e, f"pid {pid}") from None
         gone = threading.Event()
         why_gone: list[str] = []
 
@@ -932,7 +921,24 @@ class StalkerEngine:
             why_gone.append(reason)
             gone.set()
 
-        session.on("detached", on_detached)
+        try:
+            device = frida.get_local_device()
+            session = device.attach(pid)
+            # from here: a session dropped before tracing starts is one too, and says why
+            session.on("detached", on_detached)
+            agent = rec.load_agent(session, pid, False, None, park=options.follow_fork)
+            tids = agent.script.exports_sync.threads()
+            paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
+        except Exception as e:
+            _settle_forks(pid, under_frida, events)
+            if isinstance(e, BranchtraceError):
+                raise
+            if why_gone:
+                raise EngineUnavailableError(
+                    f"Frida dropped its session with pid {pid} as the agent loaded ({why_gone[0]})",
+                    hint="try again",
+                ) from None
+            raise _frida_error(e, f"pid {pid}") from None
         rec.start_draining()
         forks = None
         try:
@@ -955,7 +961,8 @@ class StalkerEngine:
                     forks.close()
                 _settle_forks(pid, under_frida, events)
                 raise EngineUnavailableError(
-                    f"the agent in pid {pid} went away while tracing started ({e})",
+                    f"the agent in pid {pid} went away while tracing started "
+                    f"({why_gone[0] if why_gone else e})",
                     hint="try again",
                 ) from None
         if not gone.is_set():
