@@ -402,8 +402,10 @@ def test_attached_with_follow_fork_to_a_program_inside_fork_it_and_its_children_
     assert out.strip() == f"{rounds} {rounds}" and target.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")
     processes = {int(p): e for p, e in trace.meta()["processes"].items()}
-    assert processes and all(e["exit_code"] == 0 for e in processes.values()), res.stderr
-    for child in processes:
+    # a child still running as the recording ended is let go (its exit is in `out`)
+    finished = {p: e for p, e in processes.items() if not e.get("detached")}
+    assert finished and all(e["exit_code"] == 0 for e in finished.values()), processes
+    for child in finished:
         assert calls_to(trace, child, slowfork, "f") == 3, res.stderr
 
 
