@@ -1,10 +1,9 @@
-/* A target to attach to: says "ready", then calls f every 2 ms, ROUNDS (1500) times -- about
-   3 seconds -- and prints the sum of 0..ROUNDS-1.  With "until-told", it goes on until a line
-   comes on stdin and prints "ROUNDS SUM": an attach that takes long under load cannot find
-   it gone. */
+/* A target to attach to: says "ready", then calls f every 2 ms, 1500 times -- about 3
+   seconds -- and prints the sum of 0..1499.  With "until-told", it goes on until a line comes
+   on stdin and prints how many times it called f and the sum: an attach that takes long
+   under load cannot find it gone. */
 #include <poll.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 

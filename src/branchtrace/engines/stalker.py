@@ -924,7 +924,7 @@ class StalkerEngine:
         try:
             device = frida.get_local_device()
             session = device.attach(pid)
-            # from here: a session dropped before tracing starts is one too, and says why
+            # at once: a session dropped while the agent loads is reported with its reason
             session.on("detached", on_detached)
             agent = rec.load_agent(session, pid, False, None, park=options.follow_fork)
             tids = agent.script.exports_sync.threads()
