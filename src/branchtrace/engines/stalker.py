@@ -233,22 +233,27 @@ def _forks_held(agent: _Agent, gating: Callable[[], None] | None = None) -> Iter
     child dies.  `gating` (turning child gating on) runs first, while no fork() is under way
     nor held inside fork(): one that is as Frida adds its own fork() hook dies in Frida's
     code, or its child does (bt_hold_forks in stalker_agent.c)."""
-    exports = agent.script.exports_sync
-
-    def wait_for_forks(hold: int) -> None:
-        deadline = time.monotonic() + AGENT_TIMEOUT
-        while exports.hold_forks(hold) and time.monotonic() < deadline:
-            time.sleep(0.001)
-
     try:
         if gating is not None:
-            wait_for_forks(2)  # gated in front of fork(), not held inside it
+            _wait_for_forks(agent, 2)  # gated in front of fork(), not held inside it
             gating()
-        wait_for_forks(1)
+        _wait_for_forks(agent, 1)
         yield
     finally:
-        with contextlib.suppress(frida.InvalidOperationError):  # gone: it let them go itself
-            agent.script.post({"type": "release-forks"})
+        _release_forks(agent)
+
+
+def _wait_for_forks(agent: _Agent, hold: int) -> None:
+    """Until no fork() of the process of `agent` is under way; new ones wait at the gate in
+    front of fork() (`hold` 2), or at fork()'s entry too (1): bt_hold_forks."""
+    deadline = time.monotonic() + AGENT_TIMEOUT
+    while _bounded(agent.script.exports_sync.hold_forks, hold) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _release_forks(agent: _Agent) -> None:
+    with contextlib.suppress(frida.InvalidOperationError):  # gone: it let them go itself
+        agent.script.post({"type": "release-forks"})
 
 
 def _detached(session: Any) -> bool:
@@ -594,6 +599,7 @@ class _ForkFollower:
         self._let_go_of: set[int] = set()  #: children we detach from ourselves
         self.untraced: dict[int, str] = {}  #: children Frida could not trace, and why
         self._gating: list[Any] = []  #: sessions holding their process's new children
+        self._agents: dict[Any, _Agent] = {}  #: ours in the processes of those sessions
         self._watched: set[int] = set()  #: their processes
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closing = False
@@ -617,8 +623,11 @@ class _ForkFollower:
         with contextlib.suppress(Exception):
             _bounded(self.device.resume, pid)
 
-    def watch(self, session: Any, pid: int) -> None:
-        """Frida holds each child of process `pid` (of `session`) before it runs."""
+    def watch(self, session: Any, pid: int, agent: _Agent | None = None) -> None:
+        """Frida holds each child of process `pid` (of `session`, with our `agent`) before it
+        runs."""
+        if agent is not None:
+            self._agents[session] = agent
         session.enable_child_gating()
         self._gating.append(session)
         self._watched.add(pid)
@@ -682,8 +691,15 @@ class _ForkFollower:
             self._queue.put(None)
         self._worker.join()
         for session in self._gating:
+            # as at the attach: a fork() under way as Frida removes its fork() hook gets its
+            # preparation without its recovery, and the program hangs, then dies in Frida
+            agent = self._agents.get(session)
             with contextlib.suppress(Exception):
+                if agent is not None:
+                    _wait_for_forks(agent, 2)
                 _bounded(session.disable_child_gating)
+            if agent is not None:
+                _release_forks(agent)
         # a child forked as gating went off may be held without ever being reported to us;
         # left so, it and the parent waiting for it would hang
         with contextlib.suppress(Exception):
@@ -945,7 +961,7 @@ class StalkerEngine:
             if options.follow_fork:
                 forks = _ForkFollower(device, rec, watcher)
                 under_frida.attached(follow_new=False)
-            gating = None if forks is None else functools.partial(forks.watch, session, pid)
+            gating = None if forks is None else functools.partial(forks.watch, session, pid, agent)
             with _forks_held(agent, gating):
                 untraced = agent.script.exports_sync.follow_all(paths, True)
             for tid, why in untraced.items():
