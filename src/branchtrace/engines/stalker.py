@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import queue
@@ -227,13 +226,19 @@ def _bounded(call: Any, *args: Any, timeout: float = AGENT_TIMEOUT) -> Any:
 
 
 @contextlib.contextmanager
-def _forks_held(agent: _Agent, gating: Callable[[], None] | None = None) -> Iterator[None]:
+def _forks_held(
+    agent: _Agent, tids: list[int], gating: Callable[[], None] | None = None
+) -> Iterator[None]:
     """The attached process's fork() calls wait meanwhile, and none is under way: a thread
     followed from outside on its way into fork() is taken through it by Stalker and its
-    child dies.  `gating` (turning child gating on) runs first, while no fork() is under way
-    nor held inside fork(): one that is as Frida adds its own fork() hook dies in Frida's
-    code, or its child does (bt_hold_forks in stalker_agent.c)."""
+    child dies.  That includes a fork() that began before the agent's fork() hook: its child
+    is born meanwhile, so under way it is followed only where it comes out, and
+    ForksUnderFrida may miss its child.  `gating` (turning child gating on) runs first,
+    while no fork() is under way nor held inside fork(): one that is as Frida adds its own
+    fork() hook dies in Frida's code, or its child does (bt_hold_forks in stalker_agent.c).
+    `tids`: the process's threads, which are looked at for such a fork()."""
     try:
+        _bounded(agent.script.exports_sync.find_forks_begun_before, tids)
         if gating is not None:
             _wait_for_forks(agent, 2)  # gated in front of fork(), not held inside it
             gating()
@@ -943,7 +948,7 @@ class StalkerEngine:
             # at once: a session dropped while the agent loads is reported with its reason
             session.on("detached", on_detached)
             agent = rec.load_agent(session, pid, False, None, park=options.follow_fork)
-            tids = agent.script.exports_sync.threads()
+            tids = agent.script.exports_sync.threads(_tasks(pid))
             paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
         except Exception as e:
             _settle_forks(pid, under_frida, events)
@@ -958,11 +963,17 @@ class StalkerEngine:
         rec.start_draining()
         forks = None
         try:
+            gating: Callable[[], None] | None = None
             if options.follow_fork:
-                forks = _ForkFollower(device, rec, watcher)
-                under_frida.attached(follow_new=False)
-            gating = None if forks is None else functools.partial(forks.watch, session, pid, agent)
-            with _forks_held(agent, gating):
+                follower = forks = _ForkFollower(device, rec, watcher)
+
+                def hold_children() -> None:
+                    # from here on Frida holds each child forked: not ours to free
+                    under_frida.attached(follow_new=False)
+                    follower.watch(session, pid, agent)
+
+                gating = hold_children
+            with _forks_held(agent, tids, gating):
                 untraced = agent.script.exports_sync.follow_all(paths, True)
             for tid, why in untraced.items():
                 rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": why})
@@ -1084,6 +1095,14 @@ def _dropped_warning(what: str, reason: str) -> str:
         f"Frida dropped its session with {what} ({reason}) while it ran on: its trace ends "
         "there, and it ran on untraced"
     )
+
+
+def _tasks(pid: int) -> list[int]:
+    """The threads of `pid`, Frida's own included."""
+    try:
+        return sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return []
 
 
 def _running(pid: int) -> bool:

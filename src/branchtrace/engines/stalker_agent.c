@@ -111,6 +111,9 @@ typedef struct {
   volatile int unpark;   /* it may return */
   int forks_gated;       /* bt_fork_gate(): fork() calls wait before fork() meanwhile */
   int forks_passing;     /* threads past that gate and not yet back from fork() */
+  int returns_held;      /* bt_on_fork_return(): threads out of a fork() begun before the
+                            hook wait there meanwhile, until the host has their rings */
+  int pad;
 } BtState;
 
 extern uint8_t bt_state[];
@@ -429,12 +432,23 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
 
 /* A thread that was inside a fork() begun before the fork hook was in place is followed
    where that fork() returns to its caller (a probe on the return address): in the traced
-   process only, never in the child, where no JavaScript may run. */
-extern void bt_fork_returned(void);
+   process only, never in the child, where no JavaScript may run.  One that comes out while
+   the host gets ready to follow the threads waits here until it has (bt_fork_returned
+   says so), then is followed from here: nothing it did after fork() goes untraced. */
+extern int bt_fork_returned(void);
 
 void bt_on_fork_return(GumInvocationContext *ic) {
-  if (!in_forked_child())
-    bt_fork_returned();
+  if (in_forked_child() || !bt_fork_returned())
+    return;
+  while (g_atomic_int_add(&STATE->returns_held, 0))
+    bt_futex_wait((uint32_t *)&STATE->returns_held, 1, 1000000);
+  bt_fork_returned();
+}
+
+void bt_hold_returns(int hold) {
+  g_atomic_int_add(&STATE->returns_held, (hold ? 1 : 0) - g_atomic_int_add(&STATE->returns_held, 0));
+  if (!hold)
+    bt_futex_wake((uint32_t *)&STATE->returns_held);
 }
 
 /* The host holds new forks while it follows the threads of a process it attached to (a

@@ -9,7 +9,7 @@ const libc = (name) => Module.getGlobalExportByName(name);
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 32); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 40); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -17,6 +17,7 @@ state.add(8 + 8 * 4096 + 8).writeU64(0); // no fork held or under way
 const PARKED = 8 + 8 * 4096 + 16; // BtState.parked: the parked thread's tid (bt_park)
 state.add(PARKED).writeU64(0); // none yet, and it need not return
 state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
+state.add(PARKED + 16).writeU64(0); // no thread held where a fork() returns
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
@@ -41,19 +42,35 @@ const afterFork = new NativeCallback(() => {
     Stalker.follow(tid, { transform: cm.transform, data: t });
   }
 }, 'void', []);
-// Threads found inside a fork() that began before the fork hook (attaching): tid -> ring,
-// followed when that fork() returns to its caller (bt_on_fork_return).
+// Threads inside a fork() that began before the fork hook was in place (attaching): tid ->
+// null while the host waits for it to come out (bt_on_fork_return), or why it cannot be seen
+// coming out (findForksBegunBefore).
+const forksBegunBefore = new Map();
+// Those of them still inside fork() as tracing starts: tid -> ring, followed when that fork()
+// returns to its caller.
 const returning = new Map();
+// Those that came out as the host got ready to follow the threads, and wait for their ring
+// (bt_on_fork_return).
+const outOfFork = new Set();
+// 1: the thread is to wait until the host has followed the threads, then come back here
 const forkReturned = new NativeCallback(() => {
   const tid = Process.getCurrentThreadId();
+  const awaited = forksBegunBefore.get(tid) === null;
+  forksBegunBefore.delete(tid);
   const path = returning.get(tid);
   if (path !== undefined) {
     returning.delete(tid);
     if (tracing) {
       follow(tid, path);
     }
+    return 0;
   }
-}, 'void', []);
+  if (awaited && !tracing) {
+    outOfFork.add(tid);
+    return 1;
+  }
+  return 0;
+}, 'int', []);
 const hookedHandlers = new Set();
 const newHandler = new NativeCallback((handler) => {
   const key = handler.toString();
@@ -95,6 +112,7 @@ const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
   ['pointer', 'pointer', 'pointer', 'pointer']);
 const pthreadDetach = new NativeFunction(libc('pthread_detach'), 'int', ['pointer']);
 const unpark = new NativeFunction(cm.bt_unpark, 'void', []);
+const holdReturns = new NativeFunction(cm.bt_hold_returns, 'void', ['int']);
 
 // --follow-fork: a thread of ours waits inside bt_park() until the end, so that Frida never
 // finishes closing this script in a forked child (see bt_park in stalker_agent.c).  Parked
@@ -180,6 +198,7 @@ Process.attachThreadObserver({
     followNewThread();
   },
   onRemoved(thread) {
+    forksBegunBefore.delete(thread.id);
     const t = threads.get(thread.id);
     if (t !== undefined && inTracedProcess()) {
       threadClose(t);
@@ -243,7 +262,9 @@ for (const [index, trigger] of PARAMS.triggers.entries()) {
 
 // Threads inside a fork() that began before the fork hook was in place: no hook marks them,
 // so on attach a thread is looked for in fork()'s code, at its pc or up its stack; the
-// return address of fork()'s own frame is where it comes out.
+// return address of fork()'s own frame is where it comes out.  A forked child held by Frida
+// is never looked at so: reading its threads' contexts (ptrace, from a helper) can hang for
+// good on a thread of Frida's recovery from fork().
 let forkCode = null;
 function forkReturnAddress(context) {
   if (forkCode === null) {
@@ -263,6 +284,47 @@ function forkReturnAddress(context) {
   return last + 1 < frames.length ? frames[last + 1] : ptr(0);
 }
 const probedReturns = new Set();
+
+// tid -> where its fork() returns, for each of the program's threads `tids` inside a fork()
+// not through the hook
+function threadsInsideFork(tids) {
+  const inside = new Map();
+  for (const tid of tids) {
+    const thread = inFork.has(tid) ? null : Process.findThreadById(tid);
+    const back = thread === null ? null : forkReturnAddress(thread.context);
+    if (back !== null) {
+      inside.set(tid, back);
+    }
+  }
+  return inside;
+}
+
+function findForksBegunBefore(tids) {
+  for (const [tid, back] of threadsInsideFork(tids)) {
+    try {
+      if (back.isNull()) {
+        throw new Error("no caller of fork() found on the thread's stack");
+      }
+      const key = back.toString();
+      if (!probedReturns.has(key)) {
+        Interceptor.attach(back, cm.bt_on_fork_return);
+        probedReturns.add(key);
+      }
+      forksBegunBefore.set(tid, null);
+      holdReturns(1);
+    } catch (e) {
+      forksBegunBefore.set(tid, `inside fork(), and its way out cannot be hooked: ${e.message}`);
+    }
+  }
+  // One that came out before the probe on its way out was in place is out: waiting for it,
+  // or following it where it next returned from fork(), would miss all it did meanwhile.
+  const still = threadsInsideFork([...forksBegunBefore.keys()]);
+  for (const tid of [...forksBegunBefore.keys()]) {
+    if (!still.has(tid)) {
+      forksBegunBefore.delete(tid);
+    }
+  }
+}
 
 // The program's calls of fork() go through bt_fork_gate (stalker_agent.c) while forks are
 // held: each GOT slot of fork() points there meanwhile.
@@ -305,53 +367,57 @@ function ungateForks() {
 function releaseForks() {
   holdForks(0);
   ungateForks();
+  holdReturns(0);
   recv('release-forks', releaseForks);
 }
 recv('release-forks', releaseForks);
 
 rpc.exports = {
-  threads() {
+  // The program's threads among `tids` (the process's, from /proc): Frida's own and the
+  // parked one are not.  Process.enumerateThreads() is not used to find them: it reads every
+  // thread's registers, Frida's own too, through a helper that ptraces each in turn, and that
+  // helper was seen waiting 15 s for a thread of Frida's that did not stop.
+  threads(tids) {
     const parked = state.add(PARKED).readS32();
-    return Process.enumerateThreads().map((t) => t.id).filter((tid) => tid !== parked);
+    return tids.filter((tid) => tid !== parked && !Cloak.hasThread(tid));
+  },
+  // Attaching, before the first hold: finds the threads inside a fork() that began before
+  // the fork hook, which the host then waits for as for the others (see forkReturnAddress).
+  findForksBegunBefore(tids) {
+    gateForks();
+    findForksBegunBefore(tids);
   },
   // hold new fork()s (bt_hold_forks); how many are still under way
   holdForks(how) {
     gateForks();
-    return holdForks(how);
+    let begunBefore = 0;
+    for (const why of forksBegunBefore.values()) {
+      begunBefore += why === null ? 1 : 0;
+    }
+    return holdForks(how) + begunBefore;
   },
-  // Follows the threads of `paths` (tid -> ring).  Attaching (`running`), one inside a fork()
-  // that began before the hook is followed where that fork() returns (Stalker would take it
-  // through fork() and its child would die); returns {tid: why} for those that cannot be so
-  // followed.  A forked child held by Frida is not looked at so: reading its threads' contexts
-  // (ptrace, from a helper) can hang for good on a thread of Frida's recovery from fork().
+  // Follows the threads of `paths` (tid -> ring).  Attaching (`running`), one still inside a
+  // fork() that began before the hook (the host waits for those only so long) is followed
+  // where that fork() returns (Stalker would take it through fork() and its child would die);
+  // returns {tid: why} for those that cannot be so followed.
   followAll(paths, running) {
     park();
     tracing = true;
-    const contexts = new Map(running
-      ? Process.enumerateThreads().map((t) => [t.id, t.context]) : []);
     const untraced = {};
     for (const [tid, path] of Object.entries(paths)) {
       const id = parseInt(tid, 10);
-      const context = contexts.get(id);
-      const back = context === undefined || inFork.has(id) ? null : forkReturnAddress(context);
-      if (back === null) {
+      const why = running ? forksBegunBefore.get(id) : undefined;
+      if (outOfFork.delete(id)) {
+        returning.set(id, path); // followed where it waits
+      } else if (why === undefined) {
         follow(id, path);
-        continue;
-      }
-      try {
-        if (back.isNull()) {
-          throw new Error("no caller of fork() found on the thread's stack");
-        }
-        const key = back.toString();
-        if (!probedReturns.has(key)) {
-          Interceptor.attach(back, cm.bt_on_fork_return);
-          probedReturns.add(key);
-        }
+      } else if (why === null) {
         returning.set(id, path);
-      } catch (e) {
-        untraced[tid] = `inside fork(), and its way out cannot be hooked: ${e.message}`;
+      } else {
+        untraced[tid] = why;
       }
     }
+    holdReturns(0);
     return untraced;
   },
   // Ends the recording: {farBlocks, stillInFork: tids never out of their fork()}.
@@ -390,6 +456,7 @@ function finish() {
   release();
   holdForks(0); // else a fork() held as the host went away would wait for good
   ungateForks();
+  holdReturns(0);
   finished = { farBlocks: far, stillInFork };
   return finished;
 }
