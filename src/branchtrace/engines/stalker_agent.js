@@ -299,7 +299,12 @@ function threadsInsideFork(tids) {
   return inside;
 }
 
+// Until when the host waits for them to come out; then the others are followed, and they
+// where they come out (one can be held in fork() for good, by an atfork handler).
+let waitForForksBegunBefore = 0;
+
 function findForksBegunBefore(tids) {
+  waitForForksBegunBefore = Date.now() + 2000;
   for (const [tid, back] of threadsInsideFork(tids)) {
     try {
       if (back.isNull()) {
@@ -391,8 +396,10 @@ rpc.exports = {
   holdForks(how) {
     gateForks();
     let begunBefore = 0;
-    for (const why of forksBegunBefore.values()) {
-      begunBefore += why === null ? 1 : 0;
+    if (Date.now() < waitForForksBegunBefore) {
+      for (const why of forksBegunBefore.values()) {
+        begunBefore += why === null ? 1 : 0;
+      }
     }
     return holdForks(how) + begunBefore;
   },
