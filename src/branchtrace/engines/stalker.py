@@ -231,9 +231,10 @@ def _forks_held(
 ) -> Iterator[None]:
     """The attached process's fork() calls wait meanwhile, and none is under way: a thread
     followed from outside on its way into fork() is taken through it by Stalker and its
-    child dies.  That includes a fork() that began before the agent's fork() hook: its child
-    is born meanwhile, so under way it is followed only where it comes out, and
-    ForksUnderFrida may miss its child.  `gating` (turning child gating on) runs first,
+    child dies.  That includes a fork() that began before the agent's fork() hook (waited
+    for 2 s at most; its thread is followed where it comes out): so its child is born while
+    ForksUnderFrida still watches new children, and is freed if it hangs on Frida's heap
+    lock.  `gating` (turning child gating on) runs first,
     while no fork() is under way nor held inside fork(): one that is as Frida adds its own
     fork() hook dies in Frida's code, or its child does (bt_hold_forks in stalker_agent.c).
     `tids`: the process's threads, which are looked at for such a fork()."""

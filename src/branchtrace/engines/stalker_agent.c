@@ -454,11 +454,12 @@ void bt_hold_returns(int hold) {
 /* The host holds new forks while it follows the threads of a process it attached to (a
    thread followed from outside on its way into fork() is taken through it by Stalker, and
    its child dies), and, with --follow-fork, while Frida adds its own fork() hook (child
-   gating) and while it removes it.  A thread inside a hooked fork() as that hook is added gets
-   Frida's recovery from fork() without Frida's preparation for it -- Gum calls the listeners
-   there at the entry on the way in and those there at the exit on the way out -- and the
-   process or its child dies in Frida's code; as it is removed, the preparation without the
-   recovery, and the process hangs, then dies.  So then no fork() may be under way or held inside fork(): calls through
+   gating) and while it removes it.  A thread inside a hooked fork() as that hook is added
+   gets Frida's recovery from fork() without Frida's preparation for it -- Gum calls the
+   listeners there at the entry on the way in and those there at the exit on the way out --
+   and the process or its child dies in Frida's code; as it is removed, the preparation
+   without the recovery, and the process hangs, then dies.  So then no fork() may be under
+   way or held inside fork(): calls through
    the program's GOT wait at a gate in front of fork() instead (bt_fork_gate, put in the GOT
    by stalker_agent.js).  hold: 0 lets every fork go; 1 gates them and holds them at fork()'s
    entry too; 2 only gates them.  Returns how many are still past the gate or inside fork()
