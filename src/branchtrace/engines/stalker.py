@@ -993,6 +993,15 @@ class StalkerEngine:
                     f"({why_gone[0] if why_gone else e})",
                     hint="try again",
                 ) from None
+        except AgentTimeoutError:  # seen once: Frida's ptrace helper stuck reading registers
+            if forks is not None:
+                forks.close()
+            _settle_forks(pid, under_frida, events)
+            raise EngineUnavailableError(
+                f"the agent in pid {pid} did not answer within {AGENT_TIMEOUT:.0f} s as tracing "
+                "started; the process may be left stuck",
+                hint="try again",
+            ) from None
         if not gone.is_set():
             # once the threads are followed: from this line on, what the program does is traced
             events.started(
