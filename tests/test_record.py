@@ -398,7 +398,7 @@ def test_attached_with_follow_fork_to_a_program_inside_fork_it_and_its_children_
     # same gate was put there, the program hung and died in 7 of 40 such recordings.  The
     # fork() under way at the attach began before the agent's hook: its child, forked as the
     # agent loaded and watched by nobody, hung in exit() on Frida's heap lock with the parent
-    # waiting for it, and 1 recording in 8 held nothing; that fork() is now waited for.
+    # waiting for it, and 3 of 22 recordings held nothing; that fork() is now waited for.
     slowfork, rounds = programs["slowfork"], 60  # about 3 s: the recording ends mid-run
     with attach_target(slowfork, 50, rounds) as target:
         res = record(tmp_path / "d", "--follow-fork", "--duration", "1", "-p", str(target.pid))
