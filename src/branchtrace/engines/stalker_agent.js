@@ -281,7 +281,10 @@ function forkReturnAddress(context) {
   if (last < 0) {
     return null;
   }
-  return last + 1 < frames.length ? frames[last + 1] : ptr(0);
+  const back = last + 1 < frames.length ? frames[last + 1] : ptr(0);
+  // called from Frida's code: through the fork() hook (Interceptor's trampoline), so not
+  // begun before it.  A probe there would patch the trampoline, and the program die in it.
+  return Cloak.hasRangeContaining(back) ? null : back;
 }
 const probedReturns = new Set();
 
@@ -291,7 +294,10 @@ function threadsInsideFork(tids) {
   const inside = new Map();
   for (const tid of tids) {
     const thread = inFork.has(tid) ? null : Process.findThreadById(tid);
-    const back = thread === null ? null : forkReturnAddress(thread.context);
+    const context = thread === null ? null : thread.context;
+    // reading the context lets other threads run JavaScript meanwhile: the thread may have
+    // entered fork() through the hook since
+    const back = context === null || inFork.has(tid) ? null : forkReturnAddress(context);
     if (back !== null) {
       inside.set(tid, back);
     }
