@@ -257,6 +257,21 @@ def _wait_for_forks(agent: _Agent, hold: int) -> None:
         time.sleep(0.001)
 
 
+def _hold_forks_quietly(agent: _Agent) -> None:
+    """Until no fork() of the process of `agent` is under way and new ones wait at the gate
+    in front of fork(), as _wait_for_forks(agent, 2) -- but with nothing on its way to or
+    from the agent while a fork() under Frida's child gating is (_ForkCounters)."""
+    counters = agent.fork_counters
+    held = counters.hold(True) if counters is not None else None  # at fork()'s entry
+    if held is None:  # the process's memory cannot be written: by calls, as before
+        _wait_for_forks(agent, 2)
+        return
+    if not held:
+        raise AgentTimeoutError("a fork() still under way after 10 s")
+    _wait_for_forks(agent, 3)  # and, now that none is under way, at the gate in front too
+    counters.hold(False)  # those that waited at the entry go on; then none is under way
+
+
 def _release_forks(agent: _Agent) -> None:
     with contextlib.suppress(frida.InvalidOperationError):  # gone: it let them go itself
         agent.script.post({"type": "release-forks"})
@@ -290,6 +305,64 @@ def _stuck_agent(process: str) -> str:
     )
 
 
+class _ForkCounters:
+    """BtState's fork() counters in one traced process (bt_hold_forks in stalker_agent.c),
+    read and written through /proc/PID/mem, with no call to its agent.
+
+    At the end of a recording under --follow-fork nothing may be on its way to or from the
+    agent while the program forks: Frida's own fork() hook (child gating) stops the agent's
+    thread for the fork() and restarts it in its recovery, and a call or answer caught in
+    between made that recovery crash in the program (at agent+0x31d855, after the host
+    waited 10 s for an answer: about 1 recording in 30 of `slowfork 50 60`).  So the host
+    first holds new fork() calls at fork()'s entry, where they wait before Frida's hook, and
+    waits for those under way, by writing and reading these counters."""
+
+    def __init__(self, pid: int, where: dict[str, str]) -> None:
+        self.pid = pid
+        self.held = int(where["held"], 16)
+        self.in_flight = int(where["inFlight"], 16)
+        self.passing = int(where["passing"], 16)
+
+    def hold(self, held: bool) -> bool | None:
+        """New fork() calls wait at fork()'s entry (`held`) or no longer; True once none is
+        under way past it (none was for 5 ms on end: one between the GOT and the hook is not
+        counted yet, and one held wakes every millisecond to look), False if one still is
+        after AGENT_TIMEOUT s, None if the process's memory cannot be written."""
+        if not self._write(self.held, 1 if held else 0):
+            return None
+        deadline = time.monotonic() + AGENT_TIMEOUT
+        quiet_since = None
+        while time.monotonic() < deadline:
+            under_way = self._read(self.in_flight), self._read(self.passing)
+            if None in under_way:  # gone: nothing of it is under way
+                return True
+            if any(under_way):
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= 0.005:
+                return True
+            time.sleep(0.0005)
+        return False
+
+    def _write(self, address: int, value: int) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/mem", "r+b", 0) as mem:
+                mem.seek(address)
+                mem.write(value.to_bytes(4, "little"))
+        except OSError:
+            return False
+        return True
+
+    def _read(self, address: int) -> int | None:
+        try:
+            with open(f"/proc/{self.pid}/mem", "rb", 0) as mem:
+                mem.seek(address)
+                return int.from_bytes(mem.read(4), "little", signed=True)
+        except OSError:
+            return None
+
+
 class _Agent:
     """The agent loaded into one process of the recording."""
 
@@ -298,6 +371,7 @@ class _Agent:
         self.script: Any = None  # frida.core.Script
         self.ready = threading.Event()
         self.errors: list[str] = []
+        self.fork_counters: _ForkCounters | None = None  #: with --follow-fork
 
     def check_ready(self) -> None:
         """The agent set itself up, or the recording of this process cannot start."""
@@ -369,6 +443,9 @@ class _Recording:
         agent.script.on("message", lambda message, data: self.on_message(agent, message))
         agent.script.load()
         agent.check_ready()
+        if self.options.follow_fork:  # before the process forks under child gating
+            where = _bounded(agent.script.exports_sync.fork_counters)
+            agent.fork_counters = _ForkCounters(pid, where)
         return agent
 
     def add_thread(self, tid: int, pid: int) -> Path:
@@ -656,6 +733,7 @@ class _ForkFollower:
             self.watch(session, pid)
             ring = self.rec.add_thread(pid, pid)
             agent = self.rec.load_agent(session, pid, spawn=False, main_ring=None, park=False)
+            self._agents[session] = agent
             _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)}, False)
         except Exception as e:
             why = str(e) or type(e).__name__
@@ -702,7 +780,7 @@ class _ForkFollower:
             agent = self._agents.get(session)
             with contextlib.suppress(Exception):
                 if agent is not None:
-                    _wait_for_forks(agent, 2)
+                    _hold_forks_quietly(agent)
                 _bounded(session.disable_child_gating)
             if agent is not None:
                 _release_forks(agent)
@@ -826,7 +904,7 @@ class StalkerEngine:
         try:
             session = device.attach(pid)
             main_ring = rec.add_thread(pid, pid)
-            rec.load_agent(session, pid, True, main_ring, park=options.follow_fork)
+            agent = rec.load_agent(session, pid, True, main_ring, park=options.follow_fork)
         except BaseException as e:
             with contextlib.suppress(Exception):
                 os.kill(pid, signal.SIGKILL)
@@ -855,7 +933,7 @@ class StalkerEngine:
         forks = None
         if options.follow_fork:
             forks = _ForkFollower(device, rec, watcher)
-            forks.watch(session, pid)
+            forks.watch(session, pid, agent)
         deadline = None if options.duration is None else time.monotonic() + options.duration
         device.resume(pid)
         self._wait_child(pid, stop, deadline, exited, status)

@@ -462,10 +462,12 @@ void bt_hold_returns(int hold) {
    way or held inside fork(): calls through
    the program's GOT wait at a gate in front of fork() instead (bt_fork_gate, put in the GOT
    by stalker_agent.js).  hold: 0 lets every fork go; 1 gates them and holds them at fork()'s
-   entry too; 2 only gates them.  Returns how many are still past the gate or inside fork()
-   (the host waits for 0). */
+   entry too; 2 only gates them; 3 gates them and leaves those the host holds at fork()'s
+   entry held (it holds them so itself, writing forks_held, at the end: _ForkCounters in
+   stalker.py).  Returns how many are still past the gate or inside fork() (the host waits
+   for 0). */
 int bt_hold_forks(int hold) {
-  if (hold != 1) {
+  if (hold == 0 || hold == 2) {
     g_atomic_int_add(&STATE->forks_held, -STATE->forks_held);
     bt_futex_wake((uint32_t *)&STATE->forks_held);
   }

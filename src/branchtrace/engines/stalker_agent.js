@@ -398,6 +398,15 @@ rpc.exports = {
     gateForks();
     findForksBegunBefore(tids);
   },
+  // Where BtState's fork() counters are, which the host reads and writes itself at the end
+  // of a recording under --follow-fork (_ForkCounters in stalker.py).
+  forkCounters() {
+    return {
+      held: state.add(PARKED - 8).toString(), // BtState.forks_held
+      inFlight: state.add(PARKED - 4).toString(), // BtState.forks_in_flight
+      passing: state.add(PARKED + 12).toString(), // BtState.forks_passing
+    };
+  },
   // hold new fork()s (bt_hold_forks); how many are still under way
   holdForks(how) {
     gateForks();
