@@ -263,7 +263,7 @@ def _hold_forks_quietly(agent: _Agent) -> None:
     from the agent while a fork() under Frida's child gating is (_ForkCounters)."""
     counters = agent.fork_counters
     held = counters.hold(True) if counters is not None else None  # at fork()'s entry
-    if held is None:  # the process's memory cannot be written: by calls, as before
+    if counters is None or held is None:  # its memory cannot be written: by calls, as before
         _wait_for_forks(agent, 2)
         return
     if not held:
