@@ -329,39 +329,34 @@ class _ForkCounters:
         under way past it (none was for 5 ms on end: one between the GOT and the hook is not
         counted yet, and one held wakes every millisecond to look), False if one still is
         after AGENT_TIMEOUT s, None if the process's memory cannot be written."""
-        if not self._write(self.held, 1 if held else 0):
-            return None
-        deadline = time.monotonic() + AGENT_TIMEOUT
-        quiet_since = None
-        while time.monotonic() < deadline:
-            under_way = self._read(self.in_flight), self._read(self.passing)
-            if None in under_way:  # gone: nothing of it is under way
-                return True
-            if any(under_way):
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= 0.005:
-                return True
-            time.sleep(0.0005)
-        return False
-
-    def _write(self, address: int, value: int) -> bool:
         try:
-            with open(f"/proc/{self.pid}/mem", "r+b", 0) as mem:
-                mem.seek(address)
-                mem.write(value.to_bytes(4, "little"))
+            mem = os.open(f"/proc/{self.pid}/mem", os.O_RDWR)
         except OSError:
+            return None
+        try:
+            try:
+                os.pwrite(mem, (1 if held else 0).to_bytes(4, "little"), self.held)
+            except OSError:
+                return None
+            deadline = time.monotonic() + AGENT_TIMEOUT
+            quiet_since = None
+            while time.monotonic() < deadline:
+                try:
+                    under_way = any(
+                        os.pread(mem, 4, self.in_flight) + os.pread(mem, 4, self.passing)
+                    )
+                except OSError:  # gone: nothing of it is under way
+                    return True
+                if under_way:
+                    quiet_since = None
+                elif quiet_since is None:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since >= 0.005:
+                    return True
+                time.sleep(0.0005)
             return False
-        return True
-
-    def _read(self, address: int) -> int | None:
-        try:
-            with open(f"/proc/{self.pid}/mem", "rb", 0) as mem:
-                mem.seek(address)
-                return int.from_bytes(mem.read(4), "little", signed=True)
-        except OSError:
-            return None
+        finally:
+            os.close(mem)
 
 
 class _Agent:
@@ -833,10 +828,11 @@ class _ForkFollower:
 def _close_frida() -> None:
     """At exit.  Frida frees what it injected into a process once its agent has left, after
     the detach: through ptrace it has a thread of the process call munmap() with 0x320 for a
-    return address, and catches the thread there.  Should the host exit meanwhile, the thread
-    returns to 0x320 and the program dies of SIGSEGV after the recording ended (1 attach in
-    about 70 to `slowfork 50 60`).  Closing Frida's device manager waits for that -- bounded,
-    because it also waits for an agent that unloads only once its threads run again."""
+    return address, and catches the thread there.  Should the host exit meanwhile, the
+    thread returns to 0x320 and the program dies of SIGSEGV after the recording ended (1
+    attach in 55, then 1 in 80, to `slowfork 50 60`).  Closing Frida's device manager waits
+    for that -- bounded, because it also waits for an agent that unloads only once its
+    threads run again."""
     with contextlib.suppress(Exception):
         _bounded(frida.shutdown, timeout=DETACH_WAIT)
 
