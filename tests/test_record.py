@@ -500,10 +500,9 @@ def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path
     with attach_target(programs["forkloop"], 400, 2000) as target:
         res = record(tmp_path / "d", "--duration", "1", "-p", str(target.pid), mode="wrap")
         out = output_after(target, res)
-    if target.returncode == -signal.SIGSEGV:
-        # seen in 2 of about 200 such attaches: the cores show Frida's injector's remote
-        # munmap() returning to its dummy address 0x320 uncaught (README, fork)
-        pytest.xfail("Frida's injector crashed the program (README, fork)")
+    # the program died of SIGSEGV at 0x320 in 2 of about 200 such attaches while the recorder
+    # exited before Frida's cleanup of it was done (README, fork): no longer excused
+    assert target.returncode == 0, res.stderr
     assert res.returncode == 0, res.stderr
     assert out.split()[-1] == "400", res.stderr
     for line in res.stderr.splitlines():
