@@ -314,7 +314,7 @@ class _ForkCounters:
     agent while the program forks: Frida's own fork() hook (child gating) stops the agent's
     thread for the fork() and restarts it in its recovery, and a call or answer caught in
     between made that recovery crash in the program (at agent+0x31d855, after the host
-    waited 10 s for an answer: about 1 recording in 30 of `slowfork 50 60`).  So the host
+    waited 10 s for an answer: 8 in about 225 recordings of `slowfork 50 60`).  So the host
     first holds new fork() calls at fork()'s entry, where they wait before Frida's hook, and
     waits for those under way, by writing and reading these counters."""
 
@@ -829,8 +829,8 @@ def _close_frida() -> None:
     """At exit.  Frida frees what it injected into a process once its agent has left, after
     the detach: through ptrace it has a thread of the process call munmap() with 0x320 for a
     return address, and catches the thread there.  Should the host exit meanwhile, the
-    thread returns to 0x320 and the program dies of SIGSEGV after the recording ended (1
-    attach in 55, then 1 in 80, to `slowfork 50 60`).  Closing Frida's device manager waits
+    thread returns to 0x320 and the program dies of SIGSEGV after the recording ended (2
+    attaches in about 540 to `slowfork 50 60`).  Closing Frida's device manager waits
     for that -- bounded, because it also waits for an agent that unloads only once its
     threads run again."""
     with contextlib.suppress(Exception):
