@@ -237,14 +237,18 @@ def _forks_held(
     ForksUnderFrida still watches new children, and is freed if it hangs on Frida's heap
     lock.  `gating` (turning child gating on) runs first,
     while no fork() is under way nor held inside fork(): one that is as Frida adds its own
-    fork() hook dies in Frida's code, or its child does (bt_hold_forks in stalker_agent.c).
-    `tids`: the process's threads, which are looked at for such a fork()."""
+    fork() hook dies in Frida's code, or its child does (bt_hold_forks in stalker_agent.c);
+    once none is under way again, a fork() counts as under way until Frida has recovered
+    from it too (bt_on_fork_done).  `tids`: the process's threads, which are looked at for
+    such a fork()."""
     try:
         _bounded(agent.script.exports_sync.find_forks_begun_before, tids)
         if gating is not None:
             _wait_for_forks(agent, 2)  # gated in front of fork(), not held inside it
             gating()
         _wait_for_forks(agent, 1)
+        if gating is not None:
+            _bounded(agent.script.exports_sync.fork_done_last)
         yield
     finally:
         _release_forks(agent)
@@ -946,6 +950,8 @@ class StalkerEngine:
         if options.follow_fork:
             forks = _ForkFollower(device, rec, watcher)
             forks.watch(session, pid, agent)
+            # not started yet, so no fork() is under way (_forks_held says why)
+            _bounded(agent.script.exports_sync.fork_done_last)
         deadline = None if options.duration is None else time.monotonic() + options.duration
         device.resume(pid)
         self._wait_child(pid, stop, deadline, exited, status)

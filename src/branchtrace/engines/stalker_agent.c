@@ -106,7 +106,7 @@ typedef struct {
   int ic_ticket;         /* widen_inline_cache(): the thread that draws 0 does it */
   volatile int ic_done;
   int forks_held;        /* bt_hold_forks(): fork() waits at its entry meanwhile */
-  int forks_in_flight;   /* threads between the entry and the return of fork() */
+  int forks_in_flight;   /* threads between fork()'s entry and its end (bt_on_fork_done) */
   volatile int parked;   /* the parked thread's tid, once it waits in bt_park() */
   volatile int unpark;   /* it may return */
   int forks_gated;       /* bt_fork_gate(): fork() calls wait before fork() meanwhile */
@@ -424,10 +424,21 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     return;
   }
-  if (!in_forked_child()) {
+  if (!in_forked_child())
     bt_after_fork();
+}
+
+/* The end of a fork() for the host's count (forks_in_flight), in a listener of its own
+   that runs after Frida's: Gum calls the listeners of a function in the order they were
+   attached, at its return as at its entry, and Frida's fork() hook (child gating), added
+   after ours, recovers from the fork() in its leave listener -- a round trip to the host
+   that restarts the agent's thread.  A message to the agent in the middle of that recovery
+   breaks it (the program hangs, then dies in Frida's code), so the host must count a fork()
+   as under way until Frida is done with it: stalker_agent.js moves this listener behind
+   Frida's (forkDoneLast). */
+void bt_on_fork_done(GumInvocationContext *ic) {
+  if ((gssize)gum_invocation_context_get_return_value(ic) != 0 && !in_forked_child())
     g_atomic_int_add(&STATE->forks_in_flight, -1);
-  }
 }
 
 /* A thread that was inside a fork() begun before the fork hook was in place is followed

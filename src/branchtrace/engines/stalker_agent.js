@@ -220,6 +220,7 @@ Interceptor.attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
 // fork(): handled in C, because no JavaScript can run in a forked child (unless Frida gates
 // it, with --follow-fork: then this script lives on in the child too, doing nothing there).
 Interceptor.attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
+let forkDone = Interceptor.attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
 
 if (PARAMS.spawn) {
   const main = findMain();
@@ -406,6 +407,14 @@ rpc.exports = {
       inFlight: state.add(PARKED - 4).toString(), // BtState.forks_in_flight
       passing: state.add(PARKED + 12).toString(), // BtState.forks_passing
     };
+  },
+  // Once Frida's fork() hook is in (child gating): a fork() counts as under way until
+  // Frida's recovery from it is done too (bt_on_fork_done).  Only while no fork() is under
+  // way and new ones are held at fork()'s entry: for a moment both listeners are attached.
+  forkDoneLast() {
+    const last = Interceptor.attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
+    forkDone.detach();
+    forkDone = last;
   },
   // hold new fork()s (bt_hold_forks); how many are still under way
   holdForks(how) {
