@@ -22,6 +22,8 @@ from branchtrace.store.tracedir import TraceDir
 from branchtrace.symbols import ModuleMap
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
+#: what the symbols call libc's fork()
+FORK_NAMES = {"fork", "__fork", "__libc_fork"}
 
 
 def record(out: Path, *args: str, mode: str = "stream", **kw) -> subprocess.CompletedProcess:
@@ -492,6 +494,23 @@ def test_a_forked_childs_session_frida_drops_is_reported_not_taken_for_its_end(
     assert any(f"Frida dropped its session with forked child {child}" in w for w in result.warnings)
     info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
     assert "1 dropped by Frida" in info.stdout, info.stdout
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["alone", "follow-fork"])
+def test_after_fork_the_parent_trace_goes_straight_back_to_its_caller(tmp_path, programs, follow):
+    # The parent is followed again inside fork()'s hook, before the listeners after ours
+    # (Frida's, with --follow-fork) have run: nothing they call may show in its trace.  A
+    # getpid() of ours there once read as the program's own call after every fork().
+    rounds, forkloop = 5, programs["forkloop"]
+    flags = ["--follow-fork"] if follow else []
+    res = record(tmp_path / "d", *flags, "--", str(forkloop), str(rounds), "0")
+    assert res.returncode == 0 and res.stdout.split()[-1] == str(rounds), res.stderr
+    t = branchtrace.open(tmp_path / "d")
+    parent = t.meta["pid"]
+    history = t.calls(parent)
+    names = [history.function_name(f) for f in history.segments["function"]]
+    after_fork = [names[i + 1] for i, name in enumerate(names[:-1]) if name in FORK_NAMES]
+    assert after_fork == ["main"] * rounds, names
 
 
 def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):

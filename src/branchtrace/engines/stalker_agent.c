@@ -435,9 +435,13 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
    that restarts the agent's thread.  A message to the agent in the middle of that recovery
    breaks it (the program hangs, then dies in Frida's code), so the host must count a fork()
    as under way until Frida is done with it: stalker_agent.js moves this listener behind
-   Frida's (forkDoneLast). */
+   Frida's (forkDoneLast).  The thread is followed again by now, so nothing here may call
+   into a library (in_forked_child() calls getpid(), which the trace would show the
+   program calling).  In the traced process every fork() was counted at its entry, so the
+   count is above 0 here; what a forked child does to its copy of it does not matter. */
 void bt_on_fork_done(GumInvocationContext *ic) {
-  if ((gssize)gum_invocation_context_get_return_value(ic) != 0 && !in_forked_child())
+  if ((gssize)gum_invocation_context_get_return_value(ic) != 0 &&
+      g_atomic_int_add(&STATE->forks_in_flight, 0) > 0)
     g_atomic_int_add(&STATE->forks_in_flight, -1);
 }
 
