@@ -272,9 +272,21 @@ def _hold_forks_quietly(agent: _Agent) -> None:
         _wait_for_forks(agent, 2)
         return
     if not held:
+        # stuck inside Frida's recovery from that fork(), which waits for Frida's host (2 in
+        # 160 recordings of a fork every 2 ms, from before the stop and with no call to the
+        # agent pending); should it ever come out, its later fork() calls must not wait
+        counters.let_go()
+        agent.stuck = True
         raise AgentTimeoutError("a fork() still under way after 10 s")
     _wait_for_forks(agent, 3)  # and, now that none is under way, at the gate in front too
     counters.hold(False)  # those that waited at the entry go on; then none is under way
+
+
+def _stop_agent(agent: _Agent) -> Any:
+    """Ends the recording in the process of `agent` (its `stop`), or AgentTimeoutError."""
+    if agent.stuck:  # no answer could come: not another 10 s of waiting
+        raise AgentTimeoutError("stuck in Frida's recovery from a fork()")
+    return _bounded(agent.script.exports_sync.stop)
 
 
 def _release_forks(agent: _Agent) -> None:
@@ -328,6 +340,15 @@ class _ForkCounters:
         self.in_flight = int(where["inFlight"], 16)
         self.passing = int(where["passing"], 16)
 
+    def let_go(self) -> None:
+        """New fork() calls no longer wait at fork()'s entry; not waiting for anything."""
+        with contextlib.suppress(OSError):
+            mem = os.open(f"/proc/{self.pid}/mem", os.O_WRONLY)
+            try:
+                os.pwrite(mem, (0).to_bytes(4, "little"), self.held)
+            finally:
+                os.close(mem)
+
     def hold(self, held: bool) -> bool | None:
         """New fork() calls wait at fork()'s entry (`held`) or no longer; True once none is
         under way past it (none was for 5 ms on end: one between the GOT and the hook is not
@@ -372,6 +393,8 @@ class _Agent:
         self.ready = threading.Event()
         self.errors: list[str] = []
         self.fork_counters: _ForkCounters | None = None  #: with --follow-fork
+        #: a fork() of its process never came out of Frida's recovery: no call can be answered
+        self.stuck = False
 
     def check_ready(self) -> None:
         """The agent set itself up, or the recording of this process cannot start."""
@@ -782,7 +805,7 @@ class _ForkFollower:
                 if agent is not None:
                     _hold_forks_quietly(agent)
                 _bounded(session.disable_child_gating)
-            if agent is not None:
+            if agent is not None and not agent.stuck:
                 _release_forks(agent)
         # a child forked as gating went off may be held without ever being reported to us;
         # left so, it and the parent waiting for it would hang
@@ -820,7 +843,7 @@ class _ForkFollower:
         self._let_go_of.add(pid)
         try:
             if agent is not None:
-                _bounded(agent.script.exports_sync.stop)
+                _stop_agent(agent)
             if not _detached(session):
                 self.rec._error(_unloading_later(f"forked child {pid}"))
         except AgentTimeoutError:
@@ -1123,7 +1146,7 @@ class StalkerEngine:
             self._attached_gone(pid, why_gone[0], rec, result, watcher)
         else:
             try:
-                stopped = _bounded(agent.script.exports_sync.stop)
+                stopped = _stop_agent(agent)
                 far = stopped.get("farBlocks", 0)
                 for tid in stopped.get("stillInFork", []):
                     rec.untraced_threads.append(
