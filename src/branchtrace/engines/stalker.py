@@ -272,9 +272,9 @@ def _hold_forks_quietly(agent: _Agent) -> None:
         _wait_for_forks(agent, 2)
         return
     if not held:
-        # stuck inside Frida's recovery from that fork(), which waits for Frida's host (2 in
-        # 160 recordings of a fork every 2 ms, from before the stop and with no call to the
-        # agent pending); should it ever come out, its later fork() calls must not wait
+        # stuck inside Frida's recovery from that fork(), which waits for Frida's host (6 in
+        # 260 recordings of a fork every 2 ms; the one logged began before the stop, with no
+        # call to the agent pending); should it ever come out, later fork()s must not wait
         counters.let_go()
         agent.stuck = True
         raise AgentTimeoutError("a fork() still under way after 10 s")
