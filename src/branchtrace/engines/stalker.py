@@ -275,7 +275,7 @@ def _hold_forks_quietly(agent: _Agent) -> None:
         # stuck inside Frida's recovery from that fork(), which waits for Frida's host (6 in
         # 260 recordings of a fork every 2 ms; the one logged began before the stop, with no
         # call to the agent pending); should it ever come out, later fork()s must not wait
-        counters.let_go()
+        counters.hold(False, wait=False)
         agent.stuck = True
         raise AgentTimeoutError("a fork() still under way after 10 s")
     _wait_for_forks(agent, 3)  # and, now that none is under way, at the gate in front too
@@ -340,20 +340,12 @@ class _ForkCounters:
         self.in_flight = int(where["inFlight"], 16)
         self.passing = int(where["passing"], 16)
 
-    def let_go(self) -> None:
-        """New fork() calls no longer wait at fork()'s entry; not waiting for anything."""
-        with contextlib.suppress(OSError):
-            mem = os.open(f"/proc/{self.pid}/mem", os.O_WRONLY)
-            try:
-                os.pwrite(mem, (0).to_bytes(4, "little"), self.held)
-            finally:
-                os.close(mem)
-
-    def hold(self, held: bool) -> bool | None:
+    def hold(self, held: bool, wait: bool = True) -> bool | None:
         """New fork() calls wait at fork()'s entry (`held`) or no longer; True once none is
         under way past it (none was for 5 ms on end: one between the GOT and the hook is not
         counted yet, and one held wakes every millisecond to look), False if one still is
-        after AGENT_TIMEOUT s, None if the process's memory cannot be written."""
+        after AGENT_TIMEOUT s, None if the process's memory cannot be written.  Without
+        `wait`, True once written."""
         try:
             mem = os.open(f"/proc/{self.pid}/mem", os.O_RDWR)
         except OSError:
@@ -363,6 +355,8 @@ class _ForkCounters:
                 os.pwrite(mem, (1 if held else 0).to_bytes(4, "little"), self.held)
             except OSError:
                 return None
+            if not wait:
+                return True
             deadline = time.monotonic() + AGENT_TIMEOUT
             quiet_since = None
             while time.monotonic() < deadline:
