@@ -332,7 +332,8 @@ class _ForkCounters:
     between made that recovery crash in the program (at agent+0x31d855, after the host
     waited 10 s for an answer: 8 in about 225 recordings of `slowfork 50 60`).  So the host
     first holds new fork() calls at fork()'s entry, where they wait before Frida's hook, and
-    waits for those under way, by writing and reading these counters."""
+    waits for those under way, by writing and reading these counters; a fork() counts as
+    under way until Frida's recovery from it is over (bt_on_fork_done)."""
 
     def __init__(self, pid: int, where: dict[str, str]) -> None:
         self.pid = pid
