@@ -10,10 +10,11 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from branchtrace.engines import forkwindow
+from branchtrace.engines import forkwindow, stalker
 from branchtrace.engines import ptrace as pt
 
 
@@ -139,3 +140,90 @@ def test_a_child_forked_during_the_attach_that_still_runs_is_named_at_risk(progr
         watch.detaching()
         assert watch.settle(grace=0.05) == [child]
         assert watch.freed == []
+
+
+@contextlib.contextmanager
+def stopped_by(tracer: str, pid: int) -> Iterator[None]:
+    """`pid` held in a tracing stop by a thread of this process ("us") or of another one."""
+    other = None
+    if tracer == "us":
+        pt.call(pt.PTRACE_SEIZE, pid)
+        pt.call(pt.PTRACE_INTERRUPT, pid)
+        os.waitpid(pid, pt.WALL)
+    else:
+        seize = f"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None)
+libc.ptrace({pt.PTRACE_SEIZE}, {pid}, None, None)
+libc.ptrace({pt.PTRACE_INTERRUPT}, {pid}, None, None)
+os.waitpid({pid}, {pt.WALL})
+print("stopped", flush=True)
+sys.stdin.read()
+"""
+        other = subprocess.Popen(
+            ["python3", "-c", seize], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert other.stdout.readline() == "stopped\n"
+    try:
+        yield
+    finally:
+        if other is None:
+            pt.call(pt.PTRACE_DETACH, pid)
+        else:
+            other.communicate("")
+
+
+@pytest.fixture
+def forkcounters(programs) -> Iterator[tuple[int, int]]:
+    """forkcounters running: its pid and the address of its counters."""
+    target = subprocess.Popen([str(programs["forkcounters"])], stdout=subprocess.PIPE, text=True)
+    try:
+        yield target.pid, int(target.stdout.readline(), 16)
+    finally:
+        target.kill()
+        target.communicate()
+
+
+def test_a_process_held_stopped_by_a_thread_of_ours_is_found_and_not_one_traced_elsewhere(
+    forkcounters,
+):
+    pid, _ = forkcounters
+    assert forkwindow.stopped_by_us(pid) is None
+    with stopped_by("us", pid):
+        assert forkwindow.stopped_by_us(pid) == pid
+    assert forkwindow.stopped_by_us(pid) is None
+    with stopped_by("another process", pid):
+        assert Path(f"/proc/{pid}/status").read_text().count("\tt (tracing stop)") == 1
+        assert forkwindow.stopped_by_us(pid) is None
+
+
+def counters_at(pid: int, address: int) -> stalker._ForkCounters:
+    where = {"held": hex(address), "inFlight": hex(address + 4), "passing": hex(address + 8)}
+    return stalker._ForkCounters(pid, where)
+
+
+def test_a_process_held_stopped_by_frida_with_a_fork_under_way_is_frozen_after_a_while(
+    forkcounters, monkeypatch
+):
+    monkeypatch.setattr(stalker, "FROZEN_AFTER", 0.2)
+    pid, address = forkcounters
+    counters = counters_at(pid, address)
+    assert not counters.frozen()
+    with stopped_by("us", pid):
+        assert not counters.frozen()  # not yet: Frida's injector stops threads for a moment
+        time.sleep(0.25)
+        assert counters.frozen()
+        started = time.monotonic()
+        assert counters.hold(True) is False  # at once, not after AGENT_TIMEOUT s
+        assert time.monotonic() - started < 1
+    assert not counters.frozen()
+
+
+def test_a_process_held_stopped_with_no_fork_under_way_is_not_frozen(forkcounters, monkeypatch):
+    monkeypatch.setattr(stalker, "FROZEN_AFTER", 0.2)
+    pid, address = forkcounters
+    counters = counters_at(pid, address + 4)  # in flight and passing read as 0
+    with stopped_by("us", pid):
+        time.sleep(0.25)
+        assert not counters.frozen()
+        assert counters.hold(True) is True

@@ -67,6 +67,30 @@ def _shares_memory(pid: int, other: int) -> bool:
     return int(pt.libc.syscall(_SYS_KCMP, pid, other, _KCMP_VM, 0, 0)) == 0
 
 
+def stopped_by_us(pid: int) -> int | None:
+    """A thread of `pid` in a tracing stop whose tracer is a thread of this process, or None.
+    The recorder ptraces only forked children (`_stop`, for a moment), so in a traced
+    process that tracer is Frida's injector, which runs in the recorder's process."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        tracer = fields.get("TracerPid", "0").strip()
+        if (
+            fields.get("State", "").strip().startswith("t")
+            and tracer != "0"
+            and os.path.exists(f"/proc/self/task/{tracer}")
+        ):
+            return int(tid)
+    return None
+
+
 def _stat(pid: int) -> list[str] | None:
     """/proc/PID/stat from the state on (index 0 is the state, 17 the threads, 19 the start)."""
     try:

@@ -52,7 +52,7 @@ from .base import (
     finish_meta,
     start_meta,
 )
-from .forkwindow import ForksUnderFrida
+from .forkwindow import ForksUnderFrida, stopped_by_us
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
@@ -66,6 +66,9 @@ AGENT_TIMEOUT = 10.0
 DETACH_WAIT = 2.0
 #: how often a recording of a running process looks for children stuck on Frida's heap lock
 FORK_CHECK_INTERVAL = 0.25
+#: how long Frida's injector holds a thread stopped inside Frida's recovery from a fork()
+#: before the process counts as frozen there (_ForkCounters._held_by_frida)
+FROZEN_AFTER = 1.0
 
 _PRELUDE = """
 #include <gum/gumstalker.h>
@@ -272,12 +275,12 @@ def _hold_forks_quietly(agent: _Agent) -> None:
         _wait_for_forks(agent, 2)
         return
     if not held:
-        # stuck inside Frida's recovery from that fork(), which waits for Frida's host (6 in
-        # 260 recordings of a fork every 2 ms; the one logged began before the stop, with no
-        # call to the agent pending); should it ever come out, later fork()s must not wait
+        # stuck inside Frida's recovery from that fork(): frozen there (_ForkCounters), or
+        # still under way after 10 s; should it ever come out, later fork()s must not wait
         counters.hold(False, wait=False)
         agent.stuck = True
-        raise AgentTimeoutError("a fork() still under way after 10 s")
+        agent.frozen = counters.frozen()
+        raise AgentTimeoutError("a fork() still under way")
     _wait_for_forks(agent, 3)  # and, now that none is under way, at the gate in front too
     counters.hold(False)  # those that waited at the entry go on; then none is under way
 
@@ -314,7 +317,18 @@ def _unloading_later(process: str) -> str:
     )
 
 
-def _stuck_agent(process: str) -> str:
+def _frozen(process: str, fate: str) -> str:
+    return (
+        f"{process} faulted inside Frida's recovery from a fork() and Frida's injector holds "
+        "it stopped there (a Frida bug, met in 2 to 3 of 100 recordings of a program forking "
+        f"every 2 ms under --follow-fork): it never runs again, and {fate}; the trace up to "
+        "there is kept"
+    )
+
+
+def _stuck_agent(process: str, frozen: bool) -> str:
+    if frozen:
+        return _frozen(process, "dies of that fault (SIGSEGV) as branchtrace exits")
     return (
         f"the agent in {process} did not answer within {AGENT_TIMEOUT:.0f} s (Frida can "
         "deadlock when a process forks while --follow-fork holds its children); the trace up "
@@ -340,13 +354,45 @@ class _ForkCounters:
         self.held = int(where["held"], 16)
         self.in_flight = int(where["inFlight"], 16)
         self.passing = int(where["passing"], 16)
+        self._stopped_since: float | None = None  #: see _held_by_frida
+
+    def _under_way(self, mem: int) -> bool:
+        return any(os.pread(mem, 4, self.in_flight) + os.pread(mem, 4, self.passing))
+
+    def _held_by_frida(self, under_way: bool) -> bool:
+        """Whether, for FROZEN_AFTER s on end, a fork() has been under way and Frida's
+        injector has held a thread of the process stopped: the process faulted in Frida's
+        recovery from that fork() (in Frida's heap code, as its injector re-created the
+        agent's thread) and the injector waits for something else.  It never runs again;
+        it dies of that fault once the recorder exits and the injector with it (README,
+        fork).  The injector stops a thread for milliseconds otherwise."""
+        if not under_way or stopped_by_us(self.pid) is None:
+            self._stopped_since = None
+            return False
+        now = time.monotonic()
+        if self._stopped_since is None:
+            self._stopped_since = now
+        return now - self._stopped_since >= FROZEN_AFTER
+
+    def frozen(self) -> bool:
+        """_held_by_frida, looked at now."""
+        try:
+            mem = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            return self._held_by_frida(self._under_way(mem))
+        except OSError:  # gone
+            return False
+        finally:
+            os.close(mem)
 
     def hold(self, held: bool, wait: bool = True) -> bool | None:
         """New fork() calls wait at fork()'s entry (`held`) or no longer; True once none is
         under way past it (none was for 5 ms on end: one between the GOT and the hook is not
         counted yet, and one held wakes every millisecond to look), False if one still is
         after AGENT_TIMEOUT s, None if the process's memory cannot be written.  Without
-        `wait`, True once written."""
+        `wait`, True once written.  False at once when the process is frozen (frozen())."""
         try:
             mem = os.open(f"/proc/{self.pid}/mem", os.O_RDWR)
         except OSError:
@@ -360,13 +406,16 @@ class _ForkCounters:
                 return True
             deadline = time.monotonic() + AGENT_TIMEOUT
             quiet_since = None
+            next_look = 0.0
             while time.monotonic() < deadline:
                 try:
-                    under_way = any(
-                        os.pread(mem, 4, self.in_flight) + os.pread(mem, 4, self.passing)
-                    )
+                    under_way = self._under_way(mem)
                 except OSError:  # gone: nothing of it is under way
                     return True
+                if time.monotonic() > next_look:
+                    if self._held_by_frida(under_way):
+                        return False
+                    next_look = time.monotonic() + 0.05
                 if under_way:
                     quiet_since = None
                 elif quiet_since is None:
@@ -390,6 +439,8 @@ class _Agent:
         self.fork_counters: _ForkCounters | None = None  #: with --follow-fork
         #: a fork() of its process never came out of Frida's recovery: no call can be answered
         self.stuck = False
+        #: and Frida's injector holds the process stopped there (_ForkCounters.frozen)
+        self.frozen = False
 
     def check_ready(self) -> None:
         """The agent set itself up, or the recording of this process cannot start."""
@@ -769,6 +820,17 @@ class _ForkFollower:
             self.rec.orphaned.add(pid)  # its last records are read from the live rings
         self.ended.add(pid)
 
+    def frozen(self) -> list[int]:
+        """The processes newly found frozen in Frida's recovery from a fork()
+        (_ForkCounters.frozen), once each; no call to their agents is made from then on."""
+        found = []
+        for agent in list(self._agents.values()):
+            counters = agent.fork_counters
+            if not agent.stuck and counters is not None and counters.frozen():
+                agent.stuck = agent.frozen = True
+                found.append(agent.pid)
+        return found
+
     def running(self) -> list[int]:
         return [
             pid
@@ -796,6 +858,8 @@ class _ForkFollower:
             # as at the attach: a fork() under way as Frida removes its fork() hook gets its
             # preparation without its recovery, and the program hangs, then dies in Frida
             agent = self._agents.get(session)
+            if agent is not None and agent.stuck:  # no call of it can be answered
+                continue
             with contextlib.suppress(Exception):
                 if agent is not None:
                     _hold_forks_quietly(agent)
@@ -842,7 +906,7 @@ class _ForkFollower:
             if not _detached(session):
                 self.rec._error(_unloading_later(f"forked child {pid}"))
         except AgentTimeoutError:
-            self.rec._error(_stuck_agent(f"forked child {pid}"))
+            self.rec._error(_stuck_agent(f"forked child {pid}", agent is not None and agent.frozen))
         except Exception:
             pass  # it ended meanwhile
 
@@ -972,13 +1036,18 @@ class StalkerEngine:
             _bounded(agent.script.exports_sync.fork_done_last)
         deadline = None if options.duration is None else time.monotonic() + options.duration
         device.resume(pid)
-        self._wait_child(pid, stop, deadline, exited, status)
+        killed = self._wait_child(
+            pid, stop, deadline, exited, status, lambda: forks is not None and pid in forks.frozen()
+        )
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         result = RecordResult(rec.tracedir.path, pid)
         if dropped:
             rec.orphaned.add(pid)
             result.warnings.append(_dropped_warning(f"{argv[0]} (pid {pid})", dropped[0]))
+        if killed:
+            rec.orphaned.add(pid)  # its rings were never closed
+            result.warnings.append(_frozen(f"{argv[0]} (pid {pid})", "branchtrace killed it"))
         if forks is not None:
             forks.wait(stop, deadline)
             result.processes = forks.close()
@@ -1011,10 +1080,22 @@ class StalkerEngine:
         deadline: float | None,
         exited: threading.Event,
         status: list[os.waitid_result],
-    ) -> None:
+        frozen: Callable[[], bool],
+    ) -> bool:
+        """Until the spawned program `pid` has ended; True if it froze in Frida's recovery
+        from a fork() (_ForkCounters.frozen) and was killed for it: it would never have run
+        again, and would have died of SIGSEGV as branchtrace exits."""
         interrupted_at = None
+        next_check = 0.0
         while not exited.wait(0.005):
             now = time.monotonic()
+            if now > next_check:
+                next_check = now + FORK_CHECK_INTERVAL
+                if frozen():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    exited.wait()
+                    return True
             if interrupted_at is None and (stop.is_set() or (deadline and now > deadline)):
                 # like perf record: stopping the recording of a spawned program ends it
                 interrupted_at = now
@@ -1023,6 +1104,7 @@ class StalkerEngine:
             elif interrupted_at is not None and now - interrupted_at > 3:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+        return False
 
     # -- attach ------------------------------------------------------------------------------
 
@@ -1130,6 +1212,8 @@ class StalkerEngine:
                 break
             if now > next_check:
                 under_frida.free_stuck()
+                if forks is not None and pid in forks.frozen():
+                    break  # it never runs again (_stuck_agent says so)
                 next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
         result = RecordResult(rec.tracedir.path, pid)
@@ -1161,7 +1245,7 @@ class StalkerEngine:
                     agent_stays = True
                 result.detached = True
             except AgentTimeoutError:
-                result.warnings.append(_stuck_agent(f"pid {pid}"))
+                result.warnings.append(_stuck_agent(f"pid {pid}", agent.frozen))
                 rec.orphaned.add(pid)  # its rings were never closed
             except Exception as e:
                 if gone.wait(1):  # dropped while we stopped it
