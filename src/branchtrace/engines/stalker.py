@@ -362,8 +362,9 @@ class _ForkCounters:
     def _held_by_frida(self, under_way: bool) -> bool:
         """Whether, for FROZEN_AFTER s on end, a fork() has been under way and Frida's
         injector has held a thread of the process stopped: the process faulted in Frida's
-        recovery from that fork() (in Frida's heap code, as its injector re-created the
-        agent's thread) and the injector waits for something else.  It never runs again;
+        recovery from that fork() and the injector waits for something else (in every case
+        looked at, a fault in Frida's heap code as the injector re-created the agent's
+        thread).  It never runs again;
         it dies of that fault once the recorder exits and the injector with it (README,
         fork).  The injector stops a thread for milliseconds otherwise."""
         if not under_way or stopped_by_us(self.pid) is None:
@@ -392,7 +393,7 @@ class _ForkCounters:
         under way past it (none was for 5 ms on end: one between the GOT and the hook is not
         counted yet, and one held wakes every millisecond to look), False if one still is
         after AGENT_TIMEOUT s, None if the process's memory cannot be written.  Without
-        `wait`, True once written.  False at once when the process is frozen (frozen())."""
+        `wait`, True once written.  False as soon as the process is found frozen (frozen())."""
         try:
             mem = os.open(f"/proc/{self.pid}/mem", os.O_RDWR)
         except OSError:
@@ -1094,7 +1095,7 @@ class StalkerEngine:
                 if frozen():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    exited.wait()
+                    exited.wait(5)
                     return True
             if interrupted_at is None and (stop.is_set() or (deadline and now > deadline)):
                 # like perf record: stopping the recording of a spawned program ends it
