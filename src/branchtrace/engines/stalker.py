@@ -320,7 +320,7 @@ def _unloading_later(process: str) -> str:
 def _frozen(process: str, fate: str) -> str:
     return (
         f"{process} faulted inside Frida's recovery from a fork() and Frida's injector holds "
-        "it stopped there (a Frida bug, met in 2 to 3 of 100 recordings of a program forking "
+        "it stopped there (a Frida bug, met in about 3 of 100 recordings of a program forking "
         f"every 2 ms under --follow-fork): it never runs again, and {fate}; the trace up to "
         "there is kept"
     )
@@ -364,9 +364,9 @@ class _ForkCounters:
         injector has held a thread of the process stopped: the process faulted in Frida's
         recovery from that fork() and the injector waits for something else (in every case
         looked at, a fault in Frida's heap code as the injector re-created the agent's
-        thread).  It never runs again;
-        it dies of that fault once the recorder exits and the injector with it (README,
-        fork).  The injector stops a thread for milliseconds otherwise."""
+        thread).  It never runs again; it dies of that fault once the recorder exits, and
+        the injector with it (README, fork).  The injector stops a thread for milliseconds
+        otherwise."""
         if not under_way or stopped_by_us(self.pid) is None:
             self._stopped_since = None
             return False
@@ -827,6 +827,8 @@ class _ForkFollower:
         found = []
         for agent in list(self._agents.values()):
             counters = agent.fork_counters
+            if agent.pid in self.ended:  # its pid may be another process's by now
+                continue
             if not agent.stuck and counters is not None and counters.frozen():
                 agent.stuck = agent.frozen = True
                 found.append(agent.pid)
