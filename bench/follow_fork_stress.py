@@ -4,7 +4,7 @@ all its children (40) exiting 0, and the recording must end with status 0.
 
     python bench/follow_fork_stress.py [--runs 16] [--busy 1] [--mode stream] [--duration 3]
         [--rounds 40] [--pause-ms 50] [--child-ms 0] [--start-after-ms 0] [--no-follow-fork]
-        [--plain-frida]
+        [--plain-frida [gating]]
 
 A reliability check, not a speed one: Frida's fork handling under child gating has races
 that show only under load (see README, fork).  `--rounds 400 --pause-ms 2 --no-follow-fork`
@@ -13,7 +13,9 @@ _exit() on Frida's heap lock (a program that waits for it hangs).  The recorder 
 such children; the runs where it did are counted apart, and the state of every child of a
 hung program is printed.  So are the runs where Frida dropped its session with the program
 midway (the recorder says so; the trace ends there).  `--plain-frida` attaches Frida
-alone (a one-line script, then detach) instead of recording, and `--start-after-ms` lets
+alone (a one-line script, then detach) instead of recording, `--plain-frida gating` the
+same with Frida's child gating on (each child resumed as reported: what `--follow-fork`
+asks of Frida, without our agent), and `--start-after-ms` lets
 the program start forking only after the attach.
 """
 
@@ -38,6 +40,18 @@ import sys, time, frida
 session = frida.attach(int(sys.argv[1]))
 session.create_script("send(1);").load()
 time.sleep(float(sys.argv[2]))
+session.detach()
+"""
+#: the same with child gating on, each child resumed as Frida reports it (argv as above)
+PLAIN_FRIDA_GATING = """
+import sys, threading, time, frida
+device = frida.get_local_device()
+session = device.attach(int(sys.argv[1]))
+session.create_script("send(1);").load()
+device.on("child-added", lambda c: threading.Thread(target=device.resume, args=(c.pid,)).start())
+session.enable_child_gating()
+time.sleep(float(sys.argv[2]))
+session.disable_child_gating()
 session.detach()
 """
 
@@ -69,7 +83,8 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
         shutil.rmtree(out, ignore_errors=True)
         command = [sys.executable, "-X", "faulthandler"]
         if args.plain_frida:
-            command += ["-c", PLAIN_FRIDA, str(target.pid), str(args.duration)]
+            script = PLAIN_FRIDA_GATING if args.plain_frida == "gating" else PLAIN_FRIDA
+            command += ["-c", script, str(target.pid), str(args.duration)]
         else:
             command += ["-m", "branchtrace.cli.main", "record", "-o", str(out)]
             command += ["--mode", args.mode, "--duration", str(args.duration)]
@@ -96,10 +111,16 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
             return f"the program hung (recording status {status}; children: {children})"
         if target.returncode < 0:
             print(said, file=sys.stderr)
-            return f"the program died of {signal.Signals(-target.returncode).name}"
+            died = f"the program died of {signal.Signals(-target.returncode).name}"
+            if f"pid {target.pid} faulted inside Frida's recovery" in said:
+                return f"{died}: it froze in Frida's recovery from fork(), the recording ended"
+            return died
         if recording.returncode != 0:
             print(said, file=sys.stderr)
             return f"recording status {recording.returncode}"
+        if "so that its parent could go on" in said and printed.strip() == str(args.rounds - 1):
+            print(said, file=sys.stderr)
+            return "a child frozen in Frida's recovery from fork() killed, the program went on"
         if printed.strip() != str(args.rounds):
             print(said, file=sys.stderr)
             return f"{printed.strip() or 'no'} good children of {args.rounds}"
@@ -126,7 +147,13 @@ def main() -> int:
     parser.add_argument("--child-ms", type=float, default=0, help="each child lives this long")
     parser.add_argument("--start-after-ms", type=int, default=0, help="before the first fork")
     parser.add_argument("--no-follow-fork", action="store_true")
-    parser.add_argument("--plain-frida", action="store_true", help="attach Frida, not record")
+    parser.add_argument(
+        "--plain-frida",
+        nargs="?",
+        const="attach",
+        choices=["attach", "gating"],
+        help="attach Frida alone, not record (gating: with child gating on, as --follow-fork)",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bt-forkstress-"))
     program = work / "forkloop"
@@ -150,7 +177,10 @@ def main() -> int:
             loop.wait()
         shutil.rmtree(work, ignore_errors=True)
     summary = ", ".join(f"{count} {outcome}" for outcome, count in outcomes.most_common())
-    what = "attaches (plain Frida" if args.plain_frida else f"recordings ({args.mode}"
+    if args.plain_frida:
+        what = "attaches (plain Frida" + (", child gating" if args.plain_frida == "gating" else "")
+    else:
+        what = f"recordings ({args.mode}"
     what += "" if args.plain_frida or args.no_follow_fork else ", --follow-fork"
     print(
         f"{args.runs} {what}, {args.busy} busy loops, a fork every {args.pause_ms:g} ms, "

@@ -11,11 +11,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from branchtrace.engines import forkwindow, stalker
 from branchtrace.engines import ptrace as pt
+from branchtrace.engines.procevents import ExitWatcher
 
 
 @contextlib.contextmanager
@@ -227,3 +229,71 @@ def test_a_process_held_stopped_with_no_fork_under_way_is_not_frozen(forkcounter
         time.sleep(0.25)
         assert not counters.frozen()
         assert counters.hold(True) is True
+
+
+class FakeFrida:
+    """Frida's device and a session of it, as far as _ForkFollower uses them with no child
+    reported."""
+
+    def on(self, *_: object) -> None:
+        pass
+
+    off = on
+
+    def enumerate_pending_children(self) -> list[object]:
+        return []
+
+    def enable_child_gating(self) -> None:
+        pass
+
+    disable_child_gating = enable_child_gating
+
+
+@pytest.mark.parametrize("found", ["while recording", "at the end"])
+def test_a_child_frozen_before_frida_reported_it_is_killed_so_its_parent_goes_on(
+    programs, monkeypatch, found
+):
+    monkeypatch.setattr(stalker, "FROZEN_AFTER", 0.2)
+    target = subprocess.Popen(
+        [str(programs["faultchild"])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    child = int(target.stdout.readline())
+    try:
+        # as Frida's injector re-creating its agent thread: it traces the child, which
+        # faults, and holds it in that stop
+        pt.call(pt.PTRACE_SEIZE, child)
+        target.stdin.write("go\n")
+        target.stdin.flush()
+        _, status = os.waitpid(child, pt.WALL)
+        assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSEGV
+        frida, errors = FakeFrida(), []
+        with ExitWatcher() as watcher:
+            follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
+            follower.watch(frida, target.pid)
+            if found == "while recording":
+                assert follower.frozen() == []
+                assert follower.killed == {}  # not yet: Frida's injector stops for a moment
+                time.sleep(0.25)
+                assert follower.frozen() == []  # a child, not a process with our agent
+                assert follower.killed == {child: target.pid}
+            processes = follower.close()  # at the end: waits until it counts as frozen
+            assert follower.killed == {child: target.pid}
+            assert target.communicate(timeout=5)[0] == "signal 9\n"  # it went on
+        assert processes == {
+            child: {
+                "ppid": target.pid,
+                "untraced": "frozen before Frida reported it",
+                "frozen": True,
+                "signal": signal.SIGKILL,
+            }
+        }
+        assert len(errors) == 1
+        assert errors[0].startswith(
+            f"forked child {child} of pid {target.pid} faulted inside Frida's recovery"
+        )
+        fate = "branchtrace killed it, so that its parent could go on; it was not traced"
+        assert fate in errors[0]
+    finally:
+        forkwindow.kill_held(child)  # it holds the pipe to the program's output open
+        target.kill()
+        target.communicate()

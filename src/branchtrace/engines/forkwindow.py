@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -89,6 +90,41 @@ def stopped_by_us(pid: int) -> int | None:
         ):
             return int(tid)
     return None
+
+
+class StopClock:
+    """For how long, on end, each process has been seen held in a tracing stop by a thread of
+    this process (stopped_by_us)."""
+
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}
+
+    def held_for(self, pid: int, stopped: bool | None = None) -> float | None:
+        """Seconds `pid` has been held so when looked at now (None if it is not); `stopped`:
+        as the caller found it, instead of stopped_by_us(pid)."""
+        if stopped is None:
+            stopped = stopped_by_us(pid) is not None
+        if not stopped:
+            self._since.pop(pid, None)
+            return None
+        now = time.monotonic()
+        return now - self._since.setdefault(pid, now)
+
+
+def kill_held(pid: int) -> None:
+    """SIGKILL `pid`, a process held in a tracing stop by a thread of this process, and reap
+    it: its parent hears of its end only once its tracer has reaped it, and that thread may
+    never do so (any thread of the tracer's process may)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG | pt.WALL)[0]:
+                return
+        except ChildProcessError:  # reaped by its tracer already
+            return
+        time.sleep(0.001)
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -52,7 +52,7 @@ from .base import (
     finish_meta,
     start_meta,
 )
-from .forkwindow import ForksUnderFrida, stopped_by_us
+from .forkwindow import ForksUnderFrida, StopClock, children, kill_held, stopped_by_us
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
@@ -317,18 +317,23 @@ def _unloading_later(process: str) -> str:
     )
 
 
-def _frozen(process: str, fate: str) -> str:
+_FROZEN_KILLED = "it could never run again: branchtrace killed it"
+
+
+def _frozen(process: str, fate: str, traced: bool = True) -> str:
     return (
-        f"{process} faulted inside Frida's recovery from a fork() and Frida's injector holds "
-        "it stopped there (a Frida bug, met in about 3 of 100 recordings of a program forking "
-        f"every 2 ms under --follow-fork): it never runs again, and {fate}; the trace up to "
-        "there is kept"
+        f"{process} faulted inside Frida's recovery from a fork(), and Frida's injector holds "
+        "it stopped there for good (a Frida bug, met in about 3 of 100 recordings of a program "
+        f"forking every 2 ms under --follow-fork): {fate}; "
+        + ("the trace up to there is kept" if traced else "it was not traced")
     )
 
 
 def _stuck_agent(process: str, frozen: bool) -> str:
     if frozen:
-        return _frozen(process, "dies of that fault (SIGSEGV) as branchtrace exits")
+        return _frozen(
+            process, "it never runs again, and dies of that fault (SIGSEGV) as branchtrace exits"
+        )
     return (
         f"the agent in {process} did not answer within {AGENT_TIMEOUT:.0f} s (Frida can "
         "deadlock when a process forks while --follow-fork holds its children); the trace up "
@@ -354,7 +359,7 @@ class _ForkCounters:
         self.held = int(where["held"], 16)
         self.in_flight = int(where["inFlight"], 16)
         self.passing = int(where["passing"], 16)
-        self._stopped_since: float | None = None  #: see _held_by_frida
+        self._held = StopClock()  #: see _held_by_frida
 
     def _under_way(self, mem: int) -> bool:
         return any(os.pread(mem, 4, self.in_flight) + os.pread(mem, 4, self.passing))
@@ -367,13 +372,9 @@ class _ForkCounters:
         thread).  It never runs again; it dies of that fault once the recorder exits, and
         the injector with it (README, fork).  The injector stops a thread for milliseconds
         otherwise."""
-        if not under_way or stopped_by_us(self.pid) is None:
-            self._stopped_since = None
-            return False
-        now = time.monotonic()
-        if self._stopped_since is None:
-            self._stopped_since = now
-        return now - self._stopped_since >= FROZEN_AFTER
+        stopped = under_way and stopped_by_us(self.pid) is not None
+        held_for = self._held.held_for(self.pid, stopped)
+        return held_for is not None and held_for >= FROZEN_AFTER
 
     def frozen(self) -> bool:
         """_held_by_frida, looked at now."""
@@ -754,6 +755,10 @@ class _ForkFollower:
         self._gating: list[Any] = []  #: sessions holding their process's new children
         self._agents: dict[Any, _Agent] = {}  #: ours in the processes of those sessions
         self._watched: set[int] = set()  #: their processes
+        self._reported: set[int] = set()  #: children Frida told us of
+        self._held = StopClock()  #: see frozen
+        #: children found frozen in Frida's recovery from their fork() and killed -> parent
+        self.killed: dict[int, int] = {}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closing = False
         self._closing_lock = threading.Lock()
@@ -764,6 +769,7 @@ class _ForkFollower:
         device.on("child-added", self._on_child_added)
 
     def _on_child_added(self, child: Any) -> None:
+        self._reported.add(int(child.pid))
         with self._closing_lock:
             if not self._closing:
                 self._queue.put(child)
@@ -823,7 +829,15 @@ class _ForkFollower:
 
     def frozen(self) -> list[int]:
         """The processes newly found frozen in Frida's recovery from a fork()
-        (_ForkCounters.frozen), once each; no call to their agents is made from then on."""
+        (_ForkCounters.frozen), once each; no call to their agents is made from then on.
+
+        Children in that state are killed: they never run again, and their parent may be
+        waiting for them.  That includes a child Frida has not reported to us yet, found
+        held stopped by Frida's injector for FROZEN_AFTER s: it faulted as Frida re-created
+        its agent thread (the same kernel stack as a frozen program's).  Seen 2 times in 60
+        recordings of a program forking every 2 ms, in its third child after child gating
+        came on: the program sat in waitpid() for the rest of the recording, and the child
+        died of SIGSEGV as branchtrace exited."""
         found = []
         for agent in list(self._agents.values()):
             counters = agent.fork_counters
@@ -832,7 +846,37 @@ class _ForkFollower:
             if not agent.stuck and counters is not None and counters.frozen():
                 agent.stuck = agent.frozen = True
                 found.append(agent.pid)
+                if agent.pid in self.parents:
+                    self._kill(agent.pid, self.parents[agent.pid])
+        self._kill_frozen_unreported()
         return found
+
+    def _kill_frozen_unreported(self) -> bool:
+        """Kills the children not reported to us that are frozen (frozen); True if another
+        one is held stopped by Frida's injector, for less time so far."""
+        held = False
+        for parent in list(self._watched):
+            if parent in self.ended or self.watcher.status(parent, timeout=0) is not None:
+                continue
+            for kid in children(parent):
+                if kid in self._reported or kid in self.killed:
+                    continue
+                held_for = self._held.held_for(kid)
+                if held_for is not None and held_for >= FROZEN_AFTER:
+                    self._kill(kid, parent)
+                elif held_for is not None:
+                    held = True
+        return held
+
+    def held_up(self) -> bool:
+        """Whether a process frozen in Frida's recovery from a fork() is left so (the attached
+        program): Frida's host then answers no call (enumerate_pending_children: no answer
+        within 10 s, twice; frida.shutdown: none within 2 s)."""
+        return any(a.frozen and a.pid not in self.killed for a in self._agents.values())
+
+    def _kill(self, pid: int, parent: int) -> None:
+        kill_held(pid)
+        self.killed[pid] = parent
 
     def running(self) -> list[int]:
         return [
@@ -842,10 +886,16 @@ class _ForkFollower:
         ]
 
     def wait(self, stop: threading.Event, deadline: float | None) -> None:
-        """Until every traced child has ended, or the recording is stopped."""
+        """Until every traced child has ended, or the recording is stopped.  A child frozen
+        meanwhile is killed (frozen)."""
+        next_check = 0.0
         while self.running() and not stop.is_set():
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 break
+            if now > next_check:
+                self.frozen()
+                next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
 
     def close(self) -> dict[int, dict[str, Any]]:
@@ -857,11 +907,15 @@ class _ForkFollower:
             self._closing = True
             self._queue.put(None)
         self._worker.join()
+        # one that froze shortly before the end is told apart from one Frida holds for a
+        # moment only by waiting
+        while self._kill_frozen_unreported():
+            time.sleep(0.05)
         for session in self._gating:
             # as at the attach: a fork() under way as Frida removes its fork() hook gets its
             # preparation without its recovery, and the program hangs, then dies in Frida
             agent = self._agents.get(session)
-            if agent is not None and agent.stuck:  # no call of it can be answered
+            if self.held_up() or (agent is not None and agent.stuck):  # no answer would come
                 continue
             with contextlib.suppress(Exception):
                 if agent is not None:
@@ -872,7 +926,7 @@ class _ForkFollower:
         # a child forked as gating went off may be held without ever being reported to us;
         # left so, it and the parent waiting for it would hang
         with contextlib.suppress(Exception):
-            for child in _bounded(self.device.enumerate_pending_children):
+            for child in [] if self.held_up() else _bounded(self.device.enumerate_pending_children):
                 if int(child.parent_pid) in self._watched:
                     self._let_go(int(child.pid))
         self.device.off("child-added", self._on_child_added)
@@ -884,6 +938,16 @@ class _ForkFollower:
         for thread in detaching:
             thread.join()
         processes = {}
+        for pid, parent in self.killed.items():
+            self.rec._error(
+                _frozen(
+                    f"forked child {pid} of pid {parent}",
+                    f"{_FROZEN_KILLED}, so that its parent could go on",
+                    traced=pid in self.children,
+                )
+            )
+            if pid not in self.children:  # never reported to us
+                processes[pid] = {"ppid": parent, "untraced": "frozen before Frida reported it"}
         for pid in self.children:
             ending: dict[str, Any] = {"ppid": self.parents.get(pid)}
             if pid in self.untraced:
@@ -898,6 +962,9 @@ class _ForkFollower:
                 if status is not None:
                     ending["exit_code"], ending["signal"] = describe(status)
             processes[pid] = ending
+        for pid in self.killed:
+            processes[pid]["frozen"] = True
+            processes[pid].setdefault("signal", signal.SIGKILL.value)
         return processes
 
     def _detach(self, pid: int) -> None:
@@ -914,6 +981,10 @@ class _ForkFollower:
             pass  # it ended meanwhile
 
 
+#: an attached program was left frozen in Frida's recovery from a fork() (_ForkCounters)
+_frida_held_up = threading.Event()
+
+
 def _close_frida() -> None:
     """At exit.  Frida frees what it injected into a process once its agent has left, after
     the detach: through ptrace it has a thread of the process call munmap() with 0x320 for a
@@ -922,6 +993,8 @@ def _close_frida() -> None:
     attaches in about 540 to `slowfork 50 60`).  Closing Frida's device manager waits
     for that -- bounded, because it also waits for an agent that unloads only once its
     threads run again."""
+    if _frida_held_up.is_set():  # no answer would come (_ForkFollower.close)
+        return
     with contextlib.suppress(Exception):
         _bounded(frida.shutdown, timeout=DETACH_WAIT)
 
@@ -1050,7 +1123,7 @@ class StalkerEngine:
             result.warnings.append(_dropped_warning(f"{argv[0]} (pid {pid})", dropped[0]))
         if killed:
             rec.orphaned.add(pid)  # its rings were never closed
-            result.warnings.append(_frozen(f"{argv[0]} (pid {pid})", "branchtrace killed it"))
+            result.warnings.append(_frozen(f"{argv[0]} (pid {pid})", _FROZEN_KILLED))
         if forks is not None:
             forks.wait(stop, deadline)
             result.processes = forks.close()
@@ -1222,6 +1295,8 @@ class StalkerEngine:
         result = RecordResult(rec.tracedir.path, pid)
         if forks is not None:
             result.processes = forks.close()
+            if forks.held_up():
+                _frida_held_up.set()
         under_frida.detaching()
         agent_stays = False  #: Frida unloads its agent only later (_detached)
         if gone.is_set():  # before the end, or while the children were wound up
@@ -1257,7 +1332,8 @@ class StalkerEngine:
                     result.warnings.append(f"detaching failed: {e}")
                     rec.orphaned.add(pid)
         # children are watched until the agent has left, unless it stays on for now
-        at_risk = under_frida.settle(timeout=0.2 if agent_stays else 2.0)
+        # an agent that stays, or cannot leave a frozen program, is not waited for
+        at_risk = under_frida.settle(timeout=0.2 if agent_stays or agent.frozen else 2.0)
         result.warnings += _forks_under_frida_warnings(pid, under_frida, at_risk)
         result.threads = rec.finish()
         return result
