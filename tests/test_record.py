@@ -301,6 +301,27 @@ def test_a_fork_run_untraced_returns_in_the_call_history(tmp_path, programs):
     assert depths == {main_depth + 1}
 
 
+def test_a_thread_id_reused_in_a_recording_never_replaces_the_earlier_threads_trace(tmp_path):
+    from branchtrace.engines.base import RecordOptions
+    from branchtrace.engines.stalker import _Recording
+    from branchtrace.errors import StoreError
+
+    options = RecordOptions(
+        output=tmp_path / "d", mode=Mode.STREAM, buffer_size=1 << 20, compress=False
+    )
+    rec = _Recording(TraceDir.create(options.output), options)
+    ring = rec.add_thread(4242, 4242)
+    first = rec.rings[4242]
+    os.write(first[2], (0x1234).to_bytes(8, "little"))  # as if drained already
+    files = [ring, rec.tracedir.stream_path(4242)]
+    before = [f.read_bytes() for f in files]
+    with pytest.raises(StoreError, match="id 4242 was an earlier thread's"):
+        rec.add_thread(4242, 4300)  # a later child, or thread, given the same id
+    assert [f.read_bytes() for f in files] == before
+    assert rec.rings[4242] is first and rec.thread_pid[4242] == 4242
+    rec.finish()
+
+
 @pytest.mark.parametrize("mode", ["stream", "wrap"])
 def test_follow_fork_traces_parent_and_child_exactly(tmp_path, programs, mode):
     res = record(tmp_path / "d", "--follow-fork", "--", str(programs["fork"]), mode=mode)

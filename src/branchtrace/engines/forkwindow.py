@@ -39,22 +39,26 @@ _SPIN_LOOP_LEN = 30
 _AFTER_YIELD_CALL = 19  #: the return address of the sched_yield call, from the loop head
 
 
-def children(pid: int) -> dict[int, int]:
-    """The live children of every thread of `pid`: pid -> start time (clock ticks)."""
-    kids: dict[int, int] = {}
+def child_pids(pid: int) -> set[int]:
+    """The children of every thread of `pid`, read from `pid`'s /proc files only."""
+    kids: set[int] = set()
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return kids
     for tid in tasks:
-        try:
-            listed = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
-        except OSError:
-            continue
-        for kid in map(int, listed):
-            stat = _stat(kid)
-            if stat is not None:
-                kids[kid] = int(stat[19])
+        with contextlib.suppress(OSError):
+            kids.update(map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split()))
+    return kids
+
+
+def children(pid: int) -> dict[int, int]:
+    """The live children of every thread of `pid`: pid -> start time (clock ticks)."""
+    kids: dict[int, int] = {}
+    for kid in child_pids(pid):
+        stat = _stat(kid)
+        if stat is not None:
+            kids[kid] = int(stat[19])
     return kids
 
 
@@ -109,6 +113,10 @@ class StopClock:
             return None
         now = time.monotonic()
         return now - self._since.setdefault(pid, now)
+
+    def keep(self, pids: set[int]) -> None:
+        """Forget every other process: a pid may be another process's when seen again."""
+        self._since = {pid: since for pid, since in self._since.items() if pid in pids}
 
 
 def kill_held(pid: int) -> None:
