@@ -7,7 +7,7 @@ all its children (40) exiting 0, and the recording must end with status 0.
         [--plain-frida [gating]]
 
 A reliability check, not a speed one: Frida's fork handling under child gating has races
-that show only under load (see README, fork).  `--rounds 400 --pause-ms 2 --no-follow-fork`
+that show only under load (see docs/fork.md).  `--rounds 400 --pause-ms 2 --no-follow-fork`
 shows another one: a child forked while Frida is injected can be left spinning in its
 _exit() on Frida's heap lock (a program that waits for it hangs).  The recorder releases
 such children; the runs where it did are counted apart, and the state of every child of a

@@ -385,7 +385,7 @@ def test_follow_fork_still_traces_every_thread(tmp_path, programs):
 
 def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, programs):
     # (a child or the program itself died in Frida's recovery from fork() in 2 of 3 full
-    # suite runs with 40 forks 50 ms apart, before the fork gate: README, fork)
+    # suite runs with 40 forks 50 ms apart, before the fork gate: docs/fork.md)
     rounds = 16
     with attach_target(programs["forkloop"], rounds, 100000) as target:
         res = record(tmp_path / "d", "--follow-fork", "--duration", "3", "-p", str(target.pid))
@@ -536,12 +536,12 @@ def test_after_fork_the_parent_trace_goes_straight_back_to_its_caller(tmp_path, 
 
 def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):
     # Without the release, about half of these attaches left a child spinning in exit() on
-    # Frida's heap lock and the program waiting for it for good (README, fork).
+    # Frida's heap lock and the program waiting for it for good (docs/fork.md).
     with attach_target(programs["forkloop"], 400, 2000) as target:
         res = record(tmp_path / "d", "--duration", "1", "-p", str(target.pid), mode="wrap")
         out = output_after(target, res)
     # the program died of SIGSEGV at 0x320 in 2 of about 200 such attaches while the recorder
-    # exited before Frida's cleanup of it was done (README, fork): no longer excused
+    # exited before Frida's cleanup of it was done (docs/fork.md): no longer excused
     assert target.returncode == 0, res.stderr
     assert res.returncode == 0, res.stderr
     assert out.split()[-1] == "400", res.stderr

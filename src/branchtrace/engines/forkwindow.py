@@ -13,7 +13,7 @@ A single-threaded process spinning on a held spin lock can never get it: no thre
 own will release it.  So the one way it goes on is that someone else releases it: we stop
 the child with ptrace, check that it is in that loop, write 0 to the lock and let it go.
 The heap the lock guarded may have been mid-update in the forking parent; in the measured
-runs the freed children exited normally (README, fork).
+runs the freed children exited normally (docs/fork.md).
 """
 
 from __future__ import annotations

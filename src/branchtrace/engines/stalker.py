@@ -323,7 +323,7 @@ _FROZEN_KILLED = "it could never run again: branchtrace killed it"
 def _frozen(process: str, fate: str, traced: bool = True) -> str:
     return (
         f"{process} faulted inside Frida's recovery from a fork(), and Frida's injector holds "
-        "it stopped there for good (a Frida bug, met in about 3 of 100 recordings of a program "
+        "it stopped there for good (a Frida bug, met in a few recordings in 100 of a program "
         f"forking every 2 ms under --follow-fork): {fate}; "
         + ("the trace up to there is kept" if traced else "it was not traced")
     )
@@ -370,7 +370,7 @@ class _ForkCounters:
         recovery from that fork() and the injector waits for something else (in every case
         looked at, a fault in Frida's heap code as the injector re-created the agent's
         thread).  It never runs again; it dies of that fault once the recorder exits, and
-        the injector with it (README, fork).  The injector stops a thread for milliseconds
+        the injector with it (docs/fork.md).  The injector stops a thread for milliseconds
         otherwise."""
         stopped = under_way and stopped_by_us(self.pid) is not None
         held_for = self._held.held_for(self.pid, stopped)
@@ -842,10 +842,10 @@ class _ForkFollower:
         Children in that state are killed: they never run again, and their parent may be
         waiting for them.  That includes a child Frida has not reported to us yet, found
         held stopped by Frida's injector for FROZEN_AFTER s: it faulted as Frida re-created
-        its agent thread (the same kernel stack as a frozen program's).  Seen 2 times in 60
-        recordings of a program forking every 2 ms, in its third child after child gating
-        came on: the program sat in waitpid() for the rest of the recording, and the child
-        died of SIGSEGV as branchtrace exited."""
+        its agent thread (the same kernel stack as a frozen program's).  Seen in 4 of 180
+        recordings of a program forking every 2 ms, each time in one of the first children
+        forked once child gating was on: before this, the program sat in waitpid() for the
+        rest of the recording, and the child died of SIGSEGV as branchtrace exited."""
         found = []
         for agent in list(self._agents.values()):
             counters = agent.fork_counters
@@ -865,7 +865,7 @@ class _ForkFollower:
         only a child listed for FROZEN_AFTER s already is looked at: Frida is busy with a
         young one, and while the recorder read young children's /proc files every 0.25 s the
         program itself froze in 9 of 128 recordings of a program forking every 2 ms, against
-        1 in 120 without (README, fork)."""
+        1 in 120 without (docs/fork.md)."""
         now = time.monotonic()
         unreported = {}
         for parent in list(self._watched):
