@@ -232,11 +232,17 @@ def test_a_process_held_stopped_with_no_fork_under_way_is_not_frozen(forkcounter
 
 
 class FakeFrida:
-    """Frida's device and a session of it, as far as _ForkFollower uses them with no child
-    reported."""
+    """Frida's device and a session of it, as far as _ForkFollower uses them when it attaches
+    to no child."""
+
+    def __init__(self) -> None:
+        self.resumed: list[int] = []
 
     def on(self, *_: object) -> None:
         pass
+
+    def resume(self, pid: int) -> None:
+        self.resumed.append(pid)
 
     off = on
 
@@ -300,3 +306,22 @@ def test_a_child_frozen_before_frida_reported_it_is_killed_so_its_parent_goes_on
         forkwindow.kill_held(child)  # it holds the pipe to the program's output open
         target.kill()
         target.communicate()
+
+
+def test_a_child_given_an_earlier_childs_id_is_let_go_untraced_and_the_earlier_one_kept():
+    frida, errors = FakeFrida(), []
+    with ExitWatcher() as watcher:
+        follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
+        earlier = (object(), None)
+        follower.children[4242], follower.parents[4242] = earlier, 100
+        # Frida reports a new child with that id: no attach (FakeFrida has none)
+        follower._trace(SimpleNamespace(pid=4242, parent_pid=200, origin="fork"))
+        follower._queue.put(None)  # the worker's end
+    assert follower.children[4242] is earlier and follower.parents[4242] == 100
+    assert follower.untraced == {}
+    assert frida.resumed == [4242]
+    assert errors == [
+        "forked child 4242 of pid 200 is not traced: id 4242 was an earlier thread's of this "
+        "recording, whose trace is kept (the kernel reuses ids once they reach "
+        "/proc/sys/kernel/pid_max)"
+    ]

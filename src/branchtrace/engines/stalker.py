@@ -451,6 +451,12 @@ class _Agent:
             raise EngineUnavailableError(f"the stalker agent failed to start: {why}")
 
 
+#: a thread or child given the id of an earlier one of the recording
+_REUSED_ID = (
+    "id {} was an earlier thread's of this recording, whose trace is kept (the kernel reuses "
+    "ids once they reach /proc/sys/kernel/pid_max)"
+)
+
 #: each agent's notes for the end of the recording (stalker_agent.js): this + its pid, in DIR
 _NOTES_FILE = ".agent-notes."
 
@@ -523,10 +529,7 @@ class _Recording:
         """A ring for thread `tid` of process `pid`, and its drain.  StoreError if an earlier
         thread of the recording had that id: its trace is never replaced."""
         if tid in self.rings:
-            raise StoreError(
-                f"id {tid} was an earlier thread's of this recording, whose trace is kept (the "
-                "kernel reuses ids once they reach /proc/sys/kernel/pid_max)"
-            )
+            raise StoreError(_REUSED_ID.format(tid))
         path = self.tracedir.ring_path(tid)
         ring = Ring.create(
             path,
@@ -805,11 +808,18 @@ class _ForkFollower:
 
     def _trace(self, child: Any) -> None:
         pid = int(child.pid)
-        self.parents[pid] = int(child.parent_pid)
-        if child.origin != "fork":  # an exec'ed or spawned image: not a fork of our program
+        if child.origin != "fork" or pid in self.children:
+            # an exec'ed or spawned image, not a fork of our program; or a child given an
+            # earlier child's id (ids wrap at pid_max), whose trace and ending are kept
+            if pid in self.children:
+                self.rec._error(
+                    f"forked child {pid} of pid {child.parent_pid} is not traced: "
+                    + _REUSED_ID.format(pid)
+                )
             with contextlib.suppress(Exception):
                 self.device.resume(pid)
             return
+        self.parents[pid] = int(child.parent_pid)
         session = agent = None
         try:
             session = self.device.attach(pid)
