@@ -938,11 +938,6 @@ class _ForkFollower:
             self._closing = True
             self._queue.put(None)
         self._worker.join()
-        # one that froze shortly before the end is told apart from one Frida holds for a
-        # moment only by waiting
-        deadline = time.monotonic() + FROZEN_AFTER + 0.5
-        while self._kill_frozen_unreported(young_too=True) and time.monotonic() < deadline:
-            time.sleep(0.05)
         for session in self._gating:
             # as at the attach: a fork() under way as Frida removes its fork() hook gets its
             # preparation without its recovery, and the program hangs, then dies in Frida
@@ -962,6 +957,11 @@ class _ForkFollower:
                 if int(child.parent_pid) in self._watched:
                     self._let_go(int(child.pid))
         self.device.off("child-added", self._on_child_added)
+        # a child that froze shortly before the end, as late as gating going off, is told
+        # apart from one Frida holds for a moment only by waiting
+        deadline = time.monotonic() + FROZEN_AFTER + 0.5
+        while self._kill_frozen_unreported(young_too=True) and time.monotonic() < deadline:
+            time.sleep(0.05)
         running = set(self.running())
         # each may take DETACH_WAIT s (_detached)
         detaching = [threading.Thread(target=self._detach, args=(pid,)) for pid in running]
