@@ -1,5 +1,6 @@
 """Children forked while Frida's agent is injected into a running process, and freeing the
-ones that spin on Frida's heap lock.
+ones that spin on Frida's heap lock; processes Frida's injector holds stopped for good
+(stopped_by_us, StopClock, kill_held: the stalker engine's frozen checks).
 
 Frida (17.26.2) hooks exit(), _exit() and abort() as soon as its agent starts, and its
 threads take the agent's heap lock (a dlmalloc spin lock) again and again while the agent
