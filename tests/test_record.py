@@ -373,6 +373,13 @@ def test_info_names_a_forked_child_that_frida_could_not_trace(tmp_path, programs
     info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
     assert info.returncode == 0, info.stderr
     assert "followed 1 forked child process(es): 1 not traced" in info.stdout
+    # as _ForkFollower.close writes it for a child frozen before Frida reported it
+    ending.update(untraced="frozen before Frida reported it", frozen=True, signal=9)
+    trace.write_meta(meta)
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert "followed 1 forked child process(es): 1 frozen in Frida's fork() recovery" in (
+        info.stdout
+    )
 
 
 def test_follow_fork_still_traces_every_thread(tmp_path, programs):
