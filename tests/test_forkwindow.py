@@ -308,16 +308,25 @@ def test_a_child_frozen_before_frida_reported_it_is_killed_so_its_parent_goes_on
         target.communicate()
 
 
-def test_a_child_given_an_earlier_childs_id_is_let_go_untraced_and_the_earlier_one_kept():
+@pytest.mark.parametrize("earlier_child", ["traced", "killed frozen before reported"])
+def test_a_child_given_an_earlier_childs_id_is_let_go_untraced_and_the_earlier_one_kept(
+    earlier_child,
+):
     frida, errors = FakeFrida(), []
     with ExitWatcher() as watcher:
         follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
         earlier = (object(), None)
-        follower.children[4242], follower.parents[4242] = earlier, 100
+        if earlier_child == "traced":
+            follower.children[4242], follower.parents[4242] = earlier, 100
+        else:
+            follower.killed[4242] = 100
         # Frida reports a new child with that id: no attach (FakeFrida has none)
         follower._trace(SimpleNamespace(pid=4242, parent_pid=200, origin="fork"))
         follower._queue.put(None)  # the worker's end
-    assert follower.children[4242] is earlier and follower.parents[4242] == 100
+    if earlier_child == "traced":
+        assert follower.children[4242] is earlier and follower.parents[4242] == 100
+    else:
+        assert 4242 not in follower.children and follower.killed == {4242: 100}
     assert follower.untraced == {}
     assert frida.resumed == [4242]
     assert errors == [

@@ -808,10 +808,11 @@ class _ForkFollower:
 
     def _trace(self, child: Any) -> None:
         pid = int(child.pid)
-        if child.origin != "fork" or pid in self.children:
+        reused = pid in self.children or pid in self.killed
+        if child.origin != "fork" or reused:
             # an exec'ed or spawned image, not a fork of our program; or a child given an
             # earlier child's id (ids wrap at pid_max), whose trace and ending are kept
-            if pid in self.children:
+            if reused:
                 self.rec._error(
                     f"forked child {pid} of pid {child.parent_pid} is not traced: "
                     + _REUSED_ID.format(pid)
