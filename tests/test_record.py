@@ -382,6 +382,44 @@ def test_info_names_a_forked_child_that_frida_could_not_trace(tmp_path, programs
     )
 
 
+@pytest.mark.parametrize("mode", ["wrap", "stream"])
+def test_follow_fork_a_finished_childs_ring_gives_back_its_unused_space_while_recording(
+    tmp_path, programs, mode
+):
+    # each ring is allocated whole up front (18 MiB here): a program that forks often
+    # would fill the disk with children's rings that hold a few hundred records each
+    rounds, forkloop, out = 6, programs["forkloop"], tmp_path / "d"
+    program = [str(forkloop), str(rounds), "400000"]
+    recorder = subprocess.Popen(
+        [*BT, "record", "-o", str(out), "--mode", mode, "--follow-fork", "--", *program],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    released_early = None
+    while recorder.poll() is None and released_early is None:
+        rings = list(out.glob("T*.bts"))
+        if len(rings) < rounds + 1:  # the program has a child yet to fork: it runs
+            small = [r for r in rings if os.stat(r).st_blocks * 512 < (1 << 20)]
+            released_early = small[0] if small else None
+        time.sleep(0.05)
+    stdout, stderr = recorder.communicate(timeout=120)
+    assert recorder.returncode == 0 and stdout.split()[-1] == str(rounds), stderr
+    assert released_early is not None, "no ring was released while the program ran"
+    trace = TraceDir.open(out)
+    meta = trace.meta()
+    parent = meta["pid"]
+    assert int(released_early.stem[1:]) != parent
+    assert len(meta["processes"]) == rounds
+    for tid in trace.threads():
+        ring = trace.ring_path(tid)
+        assert os.stat(ring).st_size > 16 << 20 > os.stat(ring).st_blocks * 512 * 16
+        program = parent if tid == parent else int(tid)
+        assert calls_to(trace, tid, forkloop, "f") == (0 if program == parent else 7)
+    assert calls_to(trace, parent, forkloop, "round_done") == rounds
+    assert_counts_are_the_records(trace)
+
+
 def test_follow_fork_still_traces_every_thread(tmp_path, programs):
     res = record(tmp_path / "d", "--follow-fork", "--", str(programs["threads"]))
     assert res.returncode == 0, res.stderr

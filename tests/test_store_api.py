@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import struct
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -342,3 +344,83 @@ def test_default_store_lives_in_dev_shm():
         t.config(0)
         t.close()
     assert not t.path.exists()
+
+
+# -- giving unused space back ---------------------------------------------------------------
+
+
+def allocated(path: Path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mode=st.sampled_from([Mode.WRAP, Mode.STREAM]),
+    blocks=st.integers(0, 4000),
+    metas=st.integers(0, 30),
+    writer_closed=st.booleans(),
+)
+def test_released_unused_space_reads_the_same(mode, blocks, metas, writer_closed):
+    flags = Flags.TRACE | (Flags.SIGNAL if mode == Mode.STREAM else 0)
+    data_size, chunk = 16384, 1024
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        path = Path(d) / "r.bts"
+        ring = Ring.create(path, data_size, mode, flags, chunk_size=chunk)
+        meta_size = int(ring.header()["meta_size"])
+        consumer = RingReader(ring, consume=True) if mode == Mode.STREAM else None
+        writer_ring = Ring.open(path, writable=True)  # the writer's own descriptor, as the agent
+        writer = RingWriter(writer_ring)
+        for i in range(metas):
+            writer.write_meta(RecordType.THREAD_NAME, [4242], b"thread %d" % i)
+        drained = []
+        for i in range(1, blocks + 1):
+            writer.write(RecordType.BLOCK, 0, i << 4)
+            if consumer is not None and i % 500 == 0:
+                drained.append(consumer.read_words()[0])
+                consumer.advance(ring.head)
+        assert ring.release_unused() == 0  # the writer still holds the ring
+        if writer_closed:
+            writer.close()
+        del writer
+        writer_ring.close()  # closed, or died: either way its lock is gone
+        if consumer is not None:
+            drained.append(consumer.read_words()[0])
+            consumer.advance(ring.head)
+            assert parse_words(np.concatenate(drained), 0).size == blocks
+        before = allocated(path)
+        words, meta = RingReader(ring).read_words(), RingReader(ring).meta()
+
+        released = ring.release_unused(drained=consumer is not None)
+
+        assert allocated(path) == before - released  # (before a read: tmpfs fills holes read)
+        again = RingReader(ring).read_words()
+        assert again[1] == words[1] and np.array_equal(again[0], words[0])
+        assert RingReader(ring).meta() == meta and len(meta) == metas
+        assert os.stat(path).st_size == HEADER_SIZE + data_size + meta_size
+        # released: the log's pages past its head, and the data area's pages that never
+        # held a record (all of them, once drained)
+        log_pages = meta_size // 4096 - -(-ring._get("meta_head") // 4096)
+        if consumer is not None:
+            data_pages = data_size // 4096
+        elif blocks * 8 >= data_size - chunk:  # the writer claimed its last chunk: wrapped
+            data_pages = 0
+        else:
+            data_pages = data_size // 4096 - -(-ring._get("claim_end") // 4096)
+        assert released == (log_pages + data_pages) * 4096
+        ring.close()
+
+
+def test_released_block_table_keeps_every_entry_a_block_id_can_name(shm_dir):
+    ring = Ring.create(shm_dir / "t.bts", 1 << 16, Mode.WRAP, Flags.TRACE, table_entries=8192)
+    entries = np.arange(1, 1001, dtype=np.uint64) << np.uint64(20)
+    ring._table[1:1001] = entries  # as the agent: entries, then the count that covers them
+    ring._set("table_count", 1001)
+    ring._set("writer_state", 1)
+    assert ring.writer_state == 1 and not ring.writer_alive()  # its writer died
+    before = allocated(ring.path)
+    released = ring.release_unused()
+    assert np.array_equal(ring._table[1:1001], entries)
+    # the table's 16 pages: the first two hold entries 0-1000; the data area never held a
+    # record, and the log nothing
+    assert released == (14 + 16 + 256) * 4096 == before - allocated(ring.path)
+    ring.close()

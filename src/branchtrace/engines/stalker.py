@@ -56,6 +56,8 @@ from .forkwindow import ForksUnderFrida, StopClock, child_pids, kill_held, stopp
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
+#: how often the rings of finished threads give their unused space back, seconds
+RELEASE_EVERY = 0.25
 CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit test
 #: targets per indirect branch in Stalker's inline cache once widened (stalker_agent.c)
 INLINE_CACHE = 32
@@ -470,6 +472,14 @@ def _agent_counts(ring: Ring) -> tuple[int, dict[int, int]]:
     return ring._get("counted_records"), gaps
 
 
+def _writer_done(ring: Ring) -> bool:
+    """Whether the agent that wrote `ring` will never write to it again: it closed the ring
+    (its thread ended, or tracing stopped), or no process holds the ring open any more (its
+    writer lock goes with the last descriptor and mapping of the ring: its process is gone)."""
+    state = ring.writer_state
+    return state == WriterState.CLOSED or (state == WriterState.ACTIVE and not ring.writer_alive())
+
+
 def _table_entries(buffer_size: int) -> int:
     """Block table entries per thread: 1/64 of the ring (8 bytes an entry, so an eighth of
     its size), 4096 to 1M.  A thread rarely runs more distinct blocks than that (gzip of
@@ -495,6 +505,8 @@ class _Recording:
         #: entries of Stalker's inline cache per indirect branch (stalker_agent.c)
         self.inline_cache: int | None = None
         self.lock = threading.Lock()
+        #: threads whose rings gave their unused space back (_release_finished)
+        self.released: set[int] = set()
         self.errors: list[str] = []
         self._done = threading.Event()
         self._drainer: threading.Thread | None = None
@@ -666,15 +678,37 @@ class _Recording:
             self.errors.append(message)
 
     def start_draining(self) -> None:
-        if self.options.mode == Mode.WRAP and not self.options.sched:
-            return
         self._drainer = threading.Thread(target=self._drain_loop, name="bt-drain", daemon=True)
         self._drainer.start()
 
     def _drain_loop(self) -> None:
+        drains = self.options.mode != Mode.WRAP or self.options.sched
+        released_at = time.monotonic()
         while not self._done.is_set():
-            if self._drain_once(final=False) == 0:
-                time.sleep(0.001)
+            moved = self._drain_once(final=False) if drains else 0
+            if time.monotonic() - released_at >= RELEASE_EVERY:
+                self._release_finished()
+                released_at = time.monotonic()
+            if moved == 0:
+                if drains:
+                    time.sleep(0.001)
+                else:
+                    self._done.wait(RELEASE_EVERY)
+
+    def _release_finished(self) -> None:
+        """Give back the unused space of the rings whose writers are done for good (a
+        forked child that exited, a thread that ended), so that a program that forks often
+        needs the disk its children's records take, not a whole ring per child
+        (Ring.release_unused).  A stream ring is drained to its end first."""
+        with self.lock:
+            rings = [(tid, r) for tid, r in self.rings.items() if tid not in self.released]
+        for tid, (ring, reader, fd) in rings:
+            if not _writer_done(ring):
+                continue
+            if reader is not None and fd is not None:
+                drain_to_file(reader, fd, final=True, packed=self.options.compress, count=False)
+            ring.release_unused(drained=reader is not None)
+            self.released.add(tid)
 
     def _drain_once(self, final: bool) -> int:
         moved = 0
@@ -724,6 +758,8 @@ class _Recording:
                     except StoreError as e:
                         records, gaps = _agent_counts(ring)
                         self._error(f"thread {tid}: records not counted exactly: {e}")
+                if tid not in self.released and _writer_done(ring):
+                    ring.release_unused(drained=reader is not None)
                 ring.close()
                 stats[tid] = ThreadStats(
                     pid=self.thread_pid[tid],

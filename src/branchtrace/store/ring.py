@@ -100,6 +100,24 @@ def _futex_wait(addr: int, expected: int, timeout_s: float) -> None:
     )
 
 
+_FALLOC_FL_KEEP_SIZE = 1
+_FALLOC_FL_PUNCH_HOLE = 2
+_PAGE = 4096
+
+
+def _punch_hole(fd: int, start: int, end: int) -> int:
+    """Free the file's blocks in [start, end) rounded inward to pages (they read as zeros
+    after); the bytes freed, 0 where the file system cannot punch holes."""
+    start = -(-start // _PAGE) * _PAGE
+    end = end // _PAGE * _PAGE
+    if end <= start:
+        return 0
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if _libc.fallocate(fd, mode, ctypes.c_int64(start), ctypes.c_int64(end - start)) != 0:
+        return 0
+    return end - start
+
+
 def _futex_wake(addr: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
 
@@ -342,6 +360,38 @@ class Ring:
     def writer_alive(self) -> bool:
         """True while some process holds the writer lock."""
         return _ofd_lock(self.fd, _WRITER_LOCK_BYTE, query=True) != 0
+
+    def release_unused(self, *, drained: bool = False) -> int:
+        """Give the file system back the blocks that `create` allocated and no record
+        needs: the data area past the last chunk the writer claimed (when it never wrapped),
+        the block table past its last entry and the metadata log past its head.  With
+        `drained` (a consumer has taken every record, the final ones past data_head too),
+        the whole data area.  Returns the bytes released.
+
+        Only once the writer will never write again: it closed the ring, or no process
+        holds the writer lock (it goes with the last descriptor and mapping of the file);
+        else nothing is released.  Every read gives the same records after as before: what
+        is released held zeros (never written) or records already taken.
+        """
+        if self.writer_state != WriterState.CLOSED and self.writer_alive():
+            return 0
+        get, data_size = self._get, self.data_size
+        used = data_size
+        if drained:
+            if self.head == self.tail:
+                used = 0
+        elif get("claim_end") < data_size:
+            used = max(get("claim_end"), self.head)
+        areas = [
+            (HEADER_SIZE, used, data_size),
+            (get("meta_offset"), get("meta_head"), get("meta_size")),
+            (get("table_offset"), get("table_count") * WORD, get("table_size")),
+        ]
+        return sum(
+            _punch_hole(self.fd, offset + used, offset + size)
+            for offset, used, size in areas
+            if size and used < size
+        )
 
     def expand(self, words: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
         """`words` of this ring's stream (read from it or drained from it, starting at a
