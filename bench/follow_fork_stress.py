@@ -4,7 +4,7 @@ all its children (40) exiting 0, and the recording must end with status 0.
 
     python bench/follow_fork_stress.py [--runs 16] [--busy 1] [--mode stream] [--duration 3]
         [--rounds 40] [--pause-ms 50] [--child-ms 0] [--start-after-ms 0] [--no-follow-fork]
-        [--plain-frida [gating]]
+        [--plain-frida [gating]] [--spawn]
 
 A reliability check, not a speed one: Frida's fork handling under child gating has races
 that show only under load (see docs/fork.md).  `--rounds 400 --pause-ms 2 --no-follow-fork`
@@ -16,7 +16,9 @@ midway (the recorder says so; the trace ends there).  `--plain-frida` attaches F
 alone (a one-line script, then detach) instead of recording, `--plain-frida gating` the
 same with Frida's child gating on (each child resumed as reported: what `--follow-fork`
 asks of Frida, without our agent), and `--start-after-ms` lets
-the program start forking only after the attach.
+the program start forking only after the attach.  `--spawn` records the program from its
+start to its end instead (no attach, no --duration); a child whose trace is cut short is
+counted too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -69,7 +72,47 @@ def children_states(pid: int) -> str:
         return str(e)
 
 
+def spawn_once(program: Path, out: Path, args: argparse.Namespace) -> str:
+    """`record --follow-fork -- forkloop ...`: the recording ends with the program."""
+    shutil.rmtree(out, ignore_errors=True)
+    argv = [str(program), str(args.rounds), str(int(args.pause_ms * 1000)), "0"]
+    command = [sys.executable, "-X", "faulthandler", "-m", "branchtrace.cli.main", "record"]
+    command += ["-o", str(out), "--mode", args.mode, "--follow-fork", "--", *argv]
+    command += [str(int(args.child_ms * 1000))]
+    recording = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        printed, said = recording.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        recording.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+        _, said = recording.communicate()
+        print(said, file=sys.stderr)
+        return "the recording did not end within 300 s"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(recording.pid, signal.SIGKILL)
+    if recording.returncode != 0 or printed.split()[-1:] != [str(args.rounds)]:
+        print(said, file=sys.stderr)
+        if "so that its parent could go on" in said:
+            return "a child frozen in Frida's recovery from fork() killed, the program went on"
+        if "faulted inside Frida's recovery" in said:
+            return "the program froze in Frida's recovery from fork() and was killed"
+        return f"recording status {recording.returncode}, {printed.split()[-1:]} good children"
+    meta = json.loads((out / "meta.json").read_text())
+    children = [t for tid, t in meta["threads"].items() if int(tid) != meta["pid"]]
+    short = [t["records"] for t in children if t["records"] < 100]  # each runs ~140 records
+    if len(children) != args.rounds or short:
+        print(said, file=sys.stderr)
+        return f"{len(children)} children traced, {len(short)} with a short trace ({short})"
+    if "branchtrace released it" in said:
+        return "ok, a child stuck on Frida's heap lock released"
+    return "ok"
+
+
 def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
+    if args.spawn:
+        return spawn_once(program, out, args)
     pause_us, child_us = int(args.pause_ms * 1000), int(args.child_ms * 1000)
     target = subprocess.Popen(
         [program, str(args.rounds), str(pause_us), str(args.start_after_ms), str(child_us)],
@@ -148,6 +191,9 @@ def main() -> int:
     parser.add_argument("--start-after-ms", type=int, default=0, help="before the first fork")
     parser.add_argument("--no-follow-fork", action="store_true")
     parser.add_argument(
+        "--spawn", action="store_true", help="record the program from its start, to its end"
+    )
+    parser.add_argument(
         "--plain-frida",
         nargs="?",
         const="attach",
@@ -180,7 +226,7 @@ def main() -> int:
     if args.plain_frida:
         what = "attaches (plain Frida" + (", child gating" if args.plain_frida == "gating" else "")
     else:
-        what = f"recordings ({args.mode}"
+        what = f"recordings ({args.mode}" + (", spawned" if args.spawn else "")
     what += "" if args.plain_frida or args.no_follow_fork else ", --follow-fork"
     print(
         f"{args.runs} {what}, {args.busy} busy loops, a fork every {args.pause_ms:g} ms, "

@@ -47,7 +47,7 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     for w in result.warnings:
         _CliEvents().warning(w)
     for pid, ending in result.processes.items():
-        if ending.get("frozen"):  # named in a warning of its own
+        if ending.get("frozen") or ending.get("no_code_traced"):  # named in a warning of its own
             continue
         if ending.get("signal") is not None or ending.get("detached"):
             _CliEvents().warning(
