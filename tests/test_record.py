@@ -261,6 +261,43 @@ def test_stream_of_100m_branches_loses_nothing(tmp_path, programs):
         subprocess.run(["rm", "-rf", str(out)], check=False)
 
 
+def test_stream_on_a_full_disk_keeps_what_was_written_counts_the_rest_and_the_program_runs_on(
+    tmp_path, programs
+):
+    import resource
+
+    n, limit = 6_000_000, 40 << 20  # about 72 MB of records; Frida needs its own room
+
+    def small_files() -> None:  # as a full disk: the stream file cannot grow past `limit`
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    bigloop = str(programs["bigloop"])
+    whole = record(tmp_path / "whole", "--buffer-size", "1M", "--", bigloop, str(n))
+    res = record(
+        tmp_path / "d", "--no-compress", "--buffer-size", "1M", "--", bigloop, str(n),
+        preexec_fn=small_files,
+    )  # fmt: skip
+    assert whole.returncode == 0 == res.returncode, res.stderr
+    assert res.stdout == whole.stdout == f"{n * (n - 1) // 2}\n"
+    assert "Traceback" not in res.stderr
+    assert "its stream could not be written on (File too large)" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert os.stat(trace.stream_path(tid)).st_size <= limit
+    blocks = {}
+    for t in (trace, TraceDir.open(tmp_path / "whole")):
+        (thread,) = t.meta()["threads"].values()
+        words, _ = t.words(thread["pid"])
+        headers = words >> np.uint64(56)
+        times = int((headers == 0x80 | RecordType.TIME).sum())
+        assert int((headers >= 0x80).sum()) == times  # blocks and TIME records only
+        blocks[t] = (words.size - 2 * times, thread["lost"])  # a TIME record is two words
+    (kept, lost), (all_blocks, none) = blocks.values()
+    assert none == 0 and kept > 1_000_000 and lost > 1_000_000
+    assert kept + lost == all_blocks  # every block is in the trace or counted lost
+    assert_counts_are_the_records(trace)
+
+
 def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, programs, spin):
     res = record(tmp_path / "d", "-p", str(spin.pid), "--duration", "0.5")
     assert res.returncode == 0, res.stderr

@@ -507,6 +507,8 @@ class _Recording:
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
         self.released: set[int] = set()
+        #: threads whose stream file could not be written on (_cannot_write)
+        self.unwritable: set[int] = set()
         self.errors: list[str] = []
         self._done = threading.Event()
         self._drainer: threading.Thread | None = None
@@ -557,11 +559,14 @@ class _Recording:
         if self.options.mode != Mode.WRAP:
             # the consumer exists before the writer: a full ring always has someone to wait for
             reader = RingReader(ring, consume=True)
-            stream_fd = os.open(
-                self.tracedir.stream_path(tid, packed=self.options.compress),
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
-                0o644,
-            )
+            stream = self.tracedir.stream_path(tid, packed=self.options.compress)
+            try:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+                stream_fd = os.open(stream, flags, 0o644)
+            except OSError as e:  # a full disk: no ring either, the thread is not traced
+                ring.close()
+                path.unlink()
+                raise StoreError(f"cannot create {stream}: {e.strerror}") from None
         with self.lock:
             self.rings[tid] = (ring, reader, stream_fd)
             self.thread_pid[tid] = pid
@@ -703,10 +708,14 @@ class _Recording:
         with self.lock:
             rings = [(tid, r) for tid, r in self.rings.items() if tid not in self.released]
         for tid, (ring, reader, fd) in rings:
-            if not _writer_done(ring):
+            if not _writer_done(ring) or tid in self.unwritable:
                 continue
             if reader is not None and fd is not None:
-                drain_to_file(reader, fd, final=True, packed=self.options.compress, count=False)
+                try:
+                    drain_to_file(reader, fd, final=True, packed=self.options.compress, count=False)
+                except OSError as e:
+                    self._cannot_write(tid, reader, fd, e)
+                    continue
             ring.release_unused(drained=reader is not None)
             self.released.add(tid)
 
@@ -718,17 +727,33 @@ class _Recording:
         for recorder in switches:
             moved += recorder.poll()
         for tid, (_ring, reader, fd) in rings:
-            if reader is not None and fd is not None:
+            if reader is not None and fd is not None and tid not in self.unwritable:
                 # not counted here: the agent counts what it writes (see finish)
-                moved += drain_to_file(
-                    reader,
-                    fd,
-                    final=final,
-                    live=self.thread_pid[tid] in self.orphaned,
-                    packed=self.options.compress,
-                    count=False,
-                )[0]
+                try:
+                    moved += drain_to_file(
+                        reader,
+                        fd,
+                        final=final,
+                        live=self.thread_pid[tid] in self.orphaned,
+                        packed=self.options.compress,
+                        count=False,
+                    )[0]
+                except OSError as e:
+                    self._cannot_write(tid, reader, fd, e)
         return moved
+
+    def _cannot_write(self, tid: int, reader: RingReader, fd: int, error: OSError) -> None:
+        """The stream file of thread `tid` cannot grow (a full disk): stop draining its ring
+        and let its writer go on without a consumer, dropping and counting what no longer
+        fits, rather than hold the thread for good.  What the file and the ring hold is
+        kept: they read as one stream, up to where the ring filled up."""
+        self.unwritable.add(tid)
+        reader.close()  # the writer finds its consumer gone and drops from then on
+        self._error(
+            f"thread {tid}: its stream could not be written on ({error.strerror}) after "
+            f"{os.fstat(fd).st_size:,} bytes: what it recorded after its ring filled up "
+            "was lost (counted in lost), the rest is kept"
+        )
 
     def finish(self) -> dict[int, ThreadStats]:
         """Stop draining, take the last records (recovering past data_head), close."""
@@ -775,7 +800,12 @@ class _Recording:
             for tid, recorder in self.switches.items():
                 recorder.close()
                 switches = recorder.switches()
-                np.save(self.tracedir.sched_path(tid), switches)
+                try:
+                    np.save(self.tracedir.sched_path(tid), switches)
+                except OSError as e:
+                    self.tracedir.sched_path(tid).unlink(missing_ok=True)
+                    self._error(f"thread {tid}: its context switches not saved: {e.strerror}")
+                    continue
                 stats[tid].switches = int(switches.size)
                 if recorder.lost:
                     self._error(f"thread {tid}: {recorder.lost} context switches lost")

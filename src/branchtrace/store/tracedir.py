@@ -114,9 +114,18 @@ class TraceDir:
         return np.load(p) if p.exists() else None
 
     def write_meta(self, meta: dict[str, Any]) -> None:
+        """Write meta.json whole, or leave the one before it (a full disk: StoreError)."""
         tmp = self.path / f".{META}.tmp"
-        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-        tmp.replace(self.path / META)
+        try:
+            tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
+            tmp.replace(self.path / META)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(
+                f"cannot write {self.path / META}: {e.strerror}",
+                hint="free some space; the rings in that directory still hold the trace "
+                "(branchtrace info reads them)",
+            ) from None
 
     def append_module(self, event: ModuleEvent) -> None:
         with open(self.path / MODULES, "a") as f:
@@ -218,6 +227,9 @@ def drain_to_file(
     `live`: with `final`, its thread is not: it runs on without its agent (recovered_head).
     `packed`: `fd` is a packed stream file (packed.py), not raw words.
     `count`: count the records (else 0 and {}: a writer that counts what it writes).
+
+    A write that fails (a full disk) raises OSError with the file cut back to where it was
+    and the ring's records not released: the file and the ring still hold the stream whole.
     """
     ring = reader.ring
     head = recovered_head(ring, live=live) if final else ring.head
@@ -231,27 +243,33 @@ def drain_to_file(
     words = ring._data
     records, gaps = 0, dict[int, int]()
     slots = ring.table_size > 0
+    size_before = os.fstat(fd).st_size
     with memoryview(ring._mm) as mapping:
         view = mapping[HEADER_SIZE : HEADER_SIZE + ring.data_size]
         pieces = [(start, end)] if end > start else [(start, ring.data_size), (0, end)]
-        for a, b in pieces:
-            # a slice at a time, counted while the writer's words are still in the cache;
-            # slices end at multiples of DRAIN_SLICE, chunk and so record boundaries
-            at = a
-            while at < b:
-                to = min(b, (at // DRAIN_SLICE + 1) * DRAIN_SLICE)
-                piece = view[at:to]
-                if packed:
-                    append_packed(fd, piece)
-                else:
-                    write_all(fd, piece)
-                piece.release()
-                if count:
-                    n, g = count_records(words[at // 8 : to // 8], slots=slots)
-                    records += n
-                    for reason, k in g.items():
-                        gaps[reason] = gaps.get(reason, 0) + k
-                at = to
-        view.release()
+        try:
+            for a, b in pieces:
+                # a slice at a time, counted while the writer's words are still in the
+                # cache; slices end at multiples of DRAIN_SLICE, chunk and so record
+                # boundaries
+                at = a
+                while at < b:
+                    to = min(b, (at // DRAIN_SLICE + 1) * DRAIN_SLICE)
+                    with view[at:to] as piece:
+                        if packed:
+                            append_packed(fd, piece)
+                        else:
+                            write_all(fd, piece)
+                    if count:
+                        n, g = count_records(words[at // 8 : to // 8], slots=slots)
+                        records += n
+                        for reason, k in g.items():
+                            gaps[reason] = gaps.get(reason, 0) + k
+                    at = to
+        except OSError:
+            os.ftruncate(fd, size_before)
+            raise
+        finally:
+            view.release()
     reader.advance(head)
     return head - tail, records, gaps
