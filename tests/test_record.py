@@ -298,6 +298,40 @@ def test_stream_on_a_full_disk_keeps_what_was_written_counts_the_rest_and_the_pr
     assert_counts_are_the_records(trace)
 
 
+FAILING_FINISH = """
+import sys
+from branchtrace.cli.main import main
+from branchtrace.engines import stalker
+
+finish, calls = stalker._Recording.finish, []
+
+def fail_once(self):  # as an internal error at the end of a recording would
+    if not calls:
+        calls.append(1)
+        raise RuntimeError("injected")
+    return finish(self)
+
+stalker._Recording.finish = fail_once
+main(sys.argv[1:])
+"""
+
+
+def test_a_recorder_failing_after_the_program_ran_keeps_its_trace(tmp_path, programs):
+    out, loop23 = tmp_path / "d", str(programs["loop23"])
+    res = subprocess.run(
+        [sys.executable, "-c", FAILING_FINISH, "record", "-o", str(out), "--", loop23],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode != 0 and "RuntimeError: injected" in res.stderr
+    trace = TraceDir.open(out)
+    (tid,) = trace.threads()
+    assert calls_to(trace, tid, programs["loop23"], "f") == 23
+    info = subprocess.run([*BT, "info", str(out)], capture_output=True, text=True)
+    assert "recording did not finish" in info.stdout, info.stderr
+
+
 def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, programs, spin):
     res = record(tmp_path / "d", "-p", str(spin.pid), "--duration", "0.5")
     assert res.returncode == 0, res.stderr

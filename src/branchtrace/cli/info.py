@@ -117,7 +117,9 @@ def _ending(meta: dict[str, Any]) -> str:
     if "snapshot" in meta:
         return "running when this snapshot was taken"
     if "ended_ns" not in meta:
-        return "recording did not finish (the recorder was killed); rings recovered below"
+        return (
+            "recording did not finish (the recorder was killed, or failed); rings recovered below"
+        )
     return "ended"
 
 

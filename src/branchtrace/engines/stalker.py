@@ -574,6 +574,12 @@ class _Recording:
             self._watch_switches(tid)
         return path
 
+    def traced_anything(self) -> bool:
+        """Whether any thread has written to its ring (before `finish`)."""
+        with self.lock:
+            rings = [ring for ring, _, _ in self.rings.values()]
+        return any(ring.writer_state != WriterState.NONE for ring in rings)
+
     def _watch_switches(self, tid: int) -> None:
         try:
             recorder = SwitchRecorder(tid)
@@ -1133,9 +1139,13 @@ class StalkerEngine:
             started = True
         finally:
             if not started:
+                # nothing half-written is left behind a start that failed, but what a
+                # program wrote before a failure later on is its trace: `info` recovers it
+                traced = rec.traced_anything()
                 with contextlib.suppress(Exception):
                     rec.finish()
-                tracedir.remove()
+                if not traced:
+                    tracedir.remove()
         rec.read_notes()
         result.warnings += rec.errors
         result.warnings += _children_faulted_before_their_code(tracedir, result)
