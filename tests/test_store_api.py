@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from branchtrace.store import (
     record_words,
 )
 from branchtrace.store.format import HEADER_SIZE, c_definitions, meta_entry
+from branchtrace.store.tracedir import TraceDir
 
 
 @pytest.fixture
@@ -424,3 +427,32 @@ def test_released_block_table_keeps_every_entry_a_block_id_can_name(shm_dir):
     # record, and the log nothing
     assert released == (14 + 16 + 256) * 4096 == before - allocated(ring.path)
     ring.close()
+
+
+MODULES_UNTIL_FULL = """
+import resource, sys
+from pathlib import Path
+from branchtrace.store.tracedir import ModuleEvent, TraceDir
+
+trace = TraceDir.create(Path(sys.argv[1]))
+trace.write_meta({"pid": 7})
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # as a full disk, past 1000 bytes
+for n in range(100):
+    try:
+        trace.append_module(ModuleEvent("load", n << 12, 4096, "/lib/x%d.so" % n, n, 7))
+    except OSError:
+        print(n)
+        break
+"""
+
+
+def test_module_lines_are_written_whole_or_not_at_all(tmp_path):
+    written = subprocess.run(
+        [sys.executable, "-c", MODULES_UNTIL_FULL, str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert 0 < int(written) < 100
+    trace = TraceDir.open(tmp_path / "d")
+    assert [m.base >> 12 for m in trace.modules()] == list(range(int(written)))

@@ -613,16 +613,21 @@ class _Recording:
                 reply = {"type": f"ring:{tid}", "path": None}
             agent.script.post(reply)
         elif kind == "module":
-            self.tracedir.append_module(
-                ModuleEvent(
-                    payload["event"],
-                    int(payload["base"], 16),
-                    int(payload["size"]),
-                    payload["path"],
-                    time.time_ns(),
-                    agent.pid,
-                )
+            event = ModuleEvent(
+                payload["event"],
+                int(payload["base"], 16),
+                int(payload["size"]),
+                payload["path"],
+                time.time_ns(),
+                agent.pid,
             )
+            try:
+                self.tracedir.append_module(event)
+            except OSError as e:  # a full disk
+                self._error(
+                    f"the {event.event} of {event.path} was not saved ({e.strerror}): "
+                    "addresses in it are shown unsymbolized"
+                )
         elif kind == "trigger":
             tid = int(payload["tid"])
             try:

@@ -128,8 +128,17 @@ class TraceDir:
             ) from None
 
     def append_module(self, event: ModuleEvent) -> None:
-        with open(self.path / MODULES, "a") as f:
-            f.write(json.dumps(event.__dict__) + "\n")
+        """One line more in modules.jsonl, whole or not at all (OSError: a full disk)."""
+        fd = os.open(self.path / MODULES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                write_all(fd, (json.dumps(event.__dict__) + "\n").encode())
+            except OSError:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
 
     # -- reading ---------------------------------------------------------------------------
 
