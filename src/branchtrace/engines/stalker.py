@@ -509,6 +509,8 @@ class _Recording:
         self.released: set[int] = set()
         #: threads whose stream file could not be written on (_cannot_write)
         self.unwritable: set[int] = set()
+        #: the drain thread died: new threads get no consumer (their writers drop)
+        self.drain_failed = False
         self.errors: list[str] = []
         self._done = threading.Event()
         self._drainer: threading.Thread | None = None
@@ -556,7 +558,7 @@ class _Recording:
             table_entries=self.options.block_table or _table_entries(self.options.buffer_size),
         )
         reader = stream_fd = None
-        if self.options.mode != Mode.WRAP:
+        if self.options.mode != Mode.WRAP and not self.drain_failed:
             # the consumer exists before the writer: a full ring always has someone to wait for
             reader = RingReader(ring, consume=True)
             stream = self.tracedir.stream_path(tid, packed=self.options.compress)
@@ -698,6 +700,23 @@ class _Recording:
         self._drainer.start()
 
     def _drain_loop(self) -> None:
+        try:
+            self._drain_until_done()
+        except Exception as e:  # a bug of ours: the program must not wait for us for good
+            self.drain_failed = True
+            with self.lock:
+                rings = list(self.rings.items())
+            for tid, (_ring, reader, _fd) in rings:
+                if reader is not None:
+                    self.unwritable.add(tid)
+                    reader.close()  # its writer finds its consumer gone and drops from then on
+            self._error(
+                f"the recorder stopped draining rings ({type(e).__name__}: {e}): the threads "
+                "went on without waiting, and what no longer fit in their rings was lost "
+                "(counted in lost)"
+            )
+
+    def _drain_until_done(self) -> None:
         drains = self.options.mode != Mode.WRAP or self.options.sched
         released_at = time.monotonic()
         while not self._done.is_set():
