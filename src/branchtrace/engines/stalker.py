@@ -1506,6 +1506,9 @@ EXIT_UNTRACED = (
 
 #: signals a process raises itself, by faulting
 _FAULTS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGTRAP}
+#: a thread with more records than this ran blocks: the others (TIME, GAP, LOST) come one
+#: per ring chunk of blocks, or per interruption of the code
+_FEW_RECORDS = 64
 
 
 def _children_faulted_before_their_code(tracedir: TraceDir, result: RecordResult) -> list[str]:
@@ -1520,8 +1523,10 @@ def _children_faulted_before_their_code(tracedir: TraceDir, result: RecordResult
             continue
         if "untraced" in ending or ending.get("frozen"):
             continue
-        tids = [tid for tid, stats in result.threads.items() if stats.pid == pid]
-        if not tids or any(_ran_blocks(tracedir, tid) for tid in tids):
+        threads = [(tid, stats) for tid, stats in result.threads.items() if stats.pid == pid]
+        if not threads or any(
+            stats.records > _FEW_RECORDS or _ran_blocks(tracedir, tid) for tid, stats in threads
+        ):
             continue
         ending["no_code_traced"] = True
         warnings.append(
