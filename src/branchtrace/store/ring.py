@@ -228,7 +228,7 @@ class Ring:
                 if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     raise NoMemoryError(
                         f"no room for a {total}-byte store at {path}: {e.strerror}",
-                        hint="use a smaller --buffer-size or free space in /dev/shm",
+                        hint=f"use a smaller --buffer-size, or free space in {path.parent}",
                     ) from None
                 raise StoreError(f"cannot allocate {path}: {e.strerror}") from None
             hdr = np.zeros(1, HEADER_DTYPE)
