@@ -59,6 +59,9 @@ from .sched import SwitchRecorder
 #: how often the rings of finished threads give their unused space back, seconds
 RELEASE_EVERY = 0.25
 CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit test
+#: each ring's metadata log: the agent writes none (modules go to modules.jsonl), and the
+#: default 1 MiB would be allocated for every thread while it runs
+META_LOG = 4096
 #: targets per indirect branch in Stalker's inline cache once widened (stalker_agent.c)
 INLINE_CACHE = 32
 MIN_BUFFER = 8 * CHUNK
@@ -556,6 +559,7 @@ class _Recording:
             chunk_size=CHUNK,
             populate=True,
             table_entries=self.options.block_table or _table_entries(self.options.buffer_size),
+            meta_size=META_LOG,
         )
         reader = stream_fd = None
         if self.options.mode != Mode.WRAP and not self.drain_failed:
