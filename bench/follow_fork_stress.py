@@ -72,6 +72,21 @@ def children_states(pid: int) -> str:
         return str(e)
 
 
+FROZEN_CHILD = "a child frozen in Frida's recovery from fork() killed, the program went on"
+RELEASED = "ok, a child stuck on Frida's heap lock released"
+
+
+def finish(recording: subprocess.Popen, timeout: float) -> tuple[str, str] | None:
+    """The recording's stdout and stderr once it ended; None if it did not within `timeout`
+    (its faulthandler then prints every thread's stack, shown on stderr)."""
+    try:
+        return recording.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        recording.send_signal(signal.SIGABRT)
+        print(recording.communicate()[1], file=sys.stderr)
+        return None
+
+
 def spawn_once(program: Path, out: Path, args: argparse.Namespace) -> str:
     """`record --follow-fork -- forkloop ...`: the recording ends with the program."""
     shutil.rmtree(out, ignore_errors=True)
@@ -83,19 +98,17 @@ def spawn_once(program: Path, out: Path, args: argparse.Namespace) -> str:
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        printed, said = recording.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        recording.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
-        _, said = recording.communicate()
-        print(said, file=sys.stderr)
-        return "the recording did not end within 300 s"
+        ended = finish(recording, 300)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(recording.pid, signal.SIGKILL)
+    if ended is None:
+        return "the recording did not end within 300 s"
+    printed, said = ended
     if recording.returncode != 0 or printed.split()[-1:] != [str(args.rounds)]:
         print(said, file=sys.stderr)
         if "so that its parent could go on" in said:
-            return "a child frozen in Frida's recovery from fork() killed, the program went on"
+            return FROZEN_CHILD
         if "faulted inside Frida's recovery" in said:
             return "the program froze in Frida's recovery from fork() and was killed"
         return f"recording status {recording.returncode}, {printed.split()[-1:]} good children"
@@ -106,7 +119,7 @@ def spawn_once(program: Path, out: Path, args: argparse.Namespace) -> str:
         print(said, file=sys.stderr)
         return f"{len(children)} children traced, {len(short)} with a short trace ({short})"
     if "branchtrace released it" in said:
-        return "ok, a child stuck on Frida's heap lock released"
+        return RELEASED
     return "ok"
 
 
@@ -137,15 +150,12 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         started = time.monotonic()
-        try:
-            _, said = recording.communicate(timeout=120)
-            if time.monotonic() - started > args.duration + 8:  # say what held it up
-                print(said, file=sys.stderr)
-        except subprocess.TimeoutExpired:
-            recording.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
-            _, said = recording.communicate()
-            print(said, file=sys.stderr)
+        ended = finish(recording, 120)
+        if ended is None:
             return "the recording did not end within 120 s"
+        said = ended[1]
+        if time.monotonic() - started > args.duration + 8:  # say what held it up
+            print(said, file=sys.stderr)
         try:
             printed, _ = target.communicate(timeout=15)
         except subprocess.TimeoutExpired:
@@ -163,7 +173,7 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
             return f"recording status {recording.returncode}"
         if "so that its parent could go on" in said and printed.strip() == str(args.rounds - 1):
             print(said, file=sys.stderr)
-            return "a child frozen in Frida's recovery from fork() killed, the program went on"
+            return FROZEN_CHILD
         if printed.strip() != str(args.rounds):
             print(said, file=sys.stderr)
             return f"{printed.strip() or 'no'} good children of {args.rounds}"
@@ -171,7 +181,7 @@ def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
             print(said, file=sys.stderr)
             return "Frida dropped the program's session (it ran on fine; its trace ends early)"
         if "branchtrace released it" in said:
-            return "ok, a child stuck on Frida's heap lock released"
+            return RELEASED
         return "ok"
     finally:
         with contextlib.suppress(ProcessLookupError):
