@@ -1,9 +1,10 @@
 """The step engine (ptrace single-step, exact) is the oracle for the stalker engine.
 
 For each fixture both engines record the program; the branches that touch the main
-executable, from main to the call of exit(), must be the same sequence (addresses taken
-relative to their module, since the two runs are placed differently), per thread, and so
-must the calls of the executable's functions in the call history.
+executable, from main to the end of the process (exit()'s handlers and destructors
+included), must be the same sequence (addresses taken relative to their module, since the
+two runs are placed differently), per thread, and so must the calls of the executable's
+functions in the call history.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import branchtrace
@@ -34,6 +34,7 @@ FIXTURES = {
     "threads_small": ((), "67"),
     "crash": ((), None),
     "exceptions": ((), "27"),
+    "lifecycle": ((), "sum 6"),
 }
 
 
@@ -59,17 +60,12 @@ def record(out: Path, engine: str, program: Path, *args: str) -> subprocess.Comp
 
 
 def exe_branches(trace: branchtrace.Trace, tid: int, exe: str, handlers: bool = True) -> list:
-    """(from module, offset, to module, offset, kind) of each branch touching `exe`, up to
-    the call of exit().  Stalker stops following at exit() (Frida's exit handling), so the
-    exit handlers are left out of the comparison; the recorder says so in its summary.
+    """(from module, offset, to module, offset, kind) of each branch touching `exe`.
     `handlers=False`: without the branches of signal handlers (see without_handlers)."""
     modules = trace.modules(tid)
     b = trace.branches(tid)
     names = [Path(p).name for p in modules.paths]
     mf, mt = modules.index(b["from"]), modules.index(b["to"])
-    exit_at = modules.runtime_address("libc.so.6", "exit")
-    ends = np.flatnonzero(b["to"] == exit_at) if exit_at is not None else []
-    stop = int(ends[0]) if len(ends) else b.size
     rows = [
         (
             names[f],
@@ -78,7 +74,7 @@ def exe_branches(trace: branchtrace.Trace, tid: int, exe: str, handlers: bool = 
             int(b["to"][i]) - int(modules.bases[t]),
             BranchKind(int(b["kind"][i])).name,
         )
-        for i, f, t in zip(range(stop), mf[:stop].tolist(), mt[:stop].tolist(), strict=True)
+        for i, f, t in zip(range(b.size), mf.tolist(), mt.tolist(), strict=True)
         if f >= 0 and t >= 0
     ]
     if not handlers:
@@ -102,8 +98,8 @@ def without_handlers(rows: list[tuple]) -> list[tuple]:
 
 
 def exe_calls(trace: branchtrace.Trace, tid: int, exe: str) -> list[str]:
-    """The executable's functions as the call history enters them, in order, up to exit();
-    a signal handler's calls are left out (see without_handlers)."""
+    """The executable's functions as the call history enters them, in order; a signal
+    handler's calls are left out (see without_handlers)."""
     history = trace.calls(tid)
     seg = history.segments
     names = []
@@ -118,8 +114,6 @@ def exe_calls(trace: branchtrace.Trace, tid: int, exe: str) -> list[str]:
             skip_below = depth
             continue
         fid = int(s["function"])
-        if history.function_name(fid) == "exit":
-            break  # as in exe_branches
         if s["how"] in (HOW_CALL, HOW_TAIL) and fid >= 0 and history.modules[fid] == exe:
             names.append(history.names[fid])
     return names

@@ -17,7 +17,7 @@ import pytest
 
 import branchtrace
 from branchtrace.store import BranchKind, Mode, RecordType, Ring, parse_words
-from branchtrace.store.format import BLOCK_ADDR_MASK
+from branchtrace.store.format import BLOCK_ADDR_MASK, WriterState
 from branchtrace.store.tracedir import TraceDir
 from branchtrace.symbols import ModuleMap
 
@@ -239,6 +239,75 @@ def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode, tic
     assert calls_to(trace, tid, programs["crash"], "boom") == 1
     if mode == "stream":
         assert calls_to(trace, tid, programs["crash"], "tick") == ticks
+    assert_counts_are_the_records(trace)
+
+
+def indirect_calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
+    address = modules(trace, tid).runtime_address(program.name, function)
+    b = branchtrace.open(trace.path).branches(tid)
+    return int(((b["to"] == address) & (b["kind"] == BranchKind.INDIRECT_CALL)).sum())
+
+
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_the_trace_runs_from_before_the_constructors_to_exit(tmp_path, programs, mode):
+    # Frida holds a spawned program at the executable's _init, right before libc runs its
+    # constructors; on the way out Frida has a script stop everything as the program enters
+    # exit(), and Stalker lets go of a thread in exit()'s __call_tls_dtors, taking it for a
+    # thread that ends: the program's own code still runs after both
+    lifecycle = programs["lifecycle"]
+    res = record(tmp_path / "d", "--", str(lifecycle), mode=mode)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "sum 6\n"
+    assert "from _init (before its constructors and main)" in res.stderr
+    assert "warning" not in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert trace.meta()["traced_from"] == "_init"
+    (tid,) = trace.threads()
+    words, pos = trace.words(tid)
+    records = parse_words(words, pos)
+    first = records[records["type"] == RecordType.BLOCK][0]
+    assert first["a"] == modules(trace, tid).runtime_address(lifecycle.name, "_init")
+    for function in ("setup", "handler", "teardown"):
+        assert indirect_calls_to(trace, tid, lifecycle, function) == 1, function
+    assert calls_to(trace, tid, lifecycle, "main") == 0  # libc calls it through a pointer
+    assert indirect_calls_to(trace, tid, lifecycle, "main") == 1
+    assert calls_to(trace, tid, lifecycle, "step") == 6
+    # to __call_tls_dtors itself, though the thread is followed again a few bytes into it
+    tls = modules(trace, tid).runtime_address("libc.so.6", "__call_tls_dtors")
+    b = branchtrace.open(trace.path).branches(tid)
+    assert ((b["to"] == tls) & (b["kind"] == BranchKind.CALL)).sum() == 1
+    # up to _exit(), where only the exit system call is left and the ring is closed
+    assert b[-1]["to"] == modules(trace, tid).runtime_address("libc.so.6", "_exit")
+    with Ring.open(trace.ring_path(tid)) as ring:
+        assert ring.writer_state == WriterState.CLOSED
+    assert_counts_are_the_records(trace)
+
+
+@pytest.mark.parametrize(
+    ("mode", "when", "handlers", "steps"),
+    [
+        ("stream", "init-crash", [], 1),
+        ("wrap", "init-crash", [], 1),
+        ("stream", "exit-crash", ["handler"], 4),
+        ("wrap", "exit-crash", ["handler"], 4),
+    ],
+)
+def test_a_crash_in_a_constructor_or_an_atexit_handler_is_traced_to_the_faulting_function(
+    tmp_path, programs, mode, when, handlers, steps
+):
+    lifecycle = programs["lifecycle"]
+    res = record(tmp_path / "d", "--", str(lifecycle), when, mode=mode)
+    assert res.returncode == 128 + signal.SIGSEGV, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    for function in ("handler", "teardown"):
+        assert indirect_calls_to(trace, tid, lifecycle, function) == (function in handlers)
+    assert calls_to(trace, tid, lifecycle, "step") == steps  # the last one faults
+    words, pos = trace.words(tid)
+    last = parse_words(words, pos)[-1]
+    assert last["type"] == RecordType.BLOCK
+    (where,) = branchtrace.open(trace.path).modules(tid).symbolize(np.array([last["a"]]))
+    assert where.startswith("step+"), where
     assert_counts_are_the_records(trace)
 
 

@@ -1,4 +1,4 @@
-"""`branchtrace record`: trace a program from main, or a running process, into DIR."""
+"""`branchtrace record`: trace a program from its start, or a running process, into DIR."""
 
 from __future__ import annotations
 

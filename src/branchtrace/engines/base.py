@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from elftools.common.exceptions import ELFError
+from elftools.elf.dynamic import DynamicSegment
+from elftools.elf.elffile import ELFFile
+
 from ..store import Mode
 
 
@@ -124,3 +128,23 @@ class Engine(Protocol):
     def record(
         self, target: Target, options: RecordOptions, events: Events, stop: threading.Event
     ) -> RecordResult: ...
+
+
+def init_offset(program: Path) -> int | None:
+    """The executable's `_init` (its DT_INIT function) as an offset from its load base (its
+    lowest mapping), or None if it has none.  libc's start-up calls it right before the
+    executable's constructors and main, and a program Frida spawns is held right there: the
+    engines start tracing a program they spawn there (the libraries' constructors ran
+    before, in the dynamic loader)."""
+    try:
+        with open(program, "rb") as f:
+            elf = ELFFile(f)
+            segments = list(elf.iter_segments())
+            loads = [s["p_vaddr"] for s in segments if s["p_type"] == "PT_LOAD"]
+            for segment in segments:
+                if isinstance(segment, DynamicSegment) and loads:
+                    for tag in segment.iter_tags("DT_INIT"):
+                        return int(tag["d_ptr"]) - (min(loads) & ~0xFFF)
+    except (OSError, ELFError):
+        pass
+    return None

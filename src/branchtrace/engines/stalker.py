@@ -50,6 +50,7 @@ from .base import (
     Target,
     ThreadStats,
     finish_meta,
+    init_offset,
     start_meta,
 )
 from .forkwindow import ForksUnderFrida, StopClock, child_pids, kill_held, stopped_by_us
@@ -507,6 +508,8 @@ class _Recording:
         self.snapshots: list[Path] = []  #: --trigger snapshot directories, in order
         #: entries of Stalker's inline cache per indirect branch (stalker_agent.c)
         self.inline_cache: int | None = None
+        #: where a spawned program's trace starts: "_init" or "main" (stalker_agent.js)
+        self.traced_from: str | None = None
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
         self.released: set[int] = set()
@@ -519,17 +522,25 @@ class _Recording:
         self._drainer: threading.Thread | None = None
 
     def load_agent(
-        self, session: Any, pid: int, spawn: bool, main_ring: Path | None, park: bool
+        self,
+        session: Any,
+        pid: int,
+        spawn: bool,
+        main_ring: Path | None,
+        park: bool,
+        init: int | None = None,
     ) -> _Agent:
         """Load the agent into the process of `session`; raises if it does not start.  With
         `park` (--follow-fork) the agent parks a thread of its own, without which Frida drops
         our session with the process once a child it forked has closed its copy of the
-        script (stalker_agent.c, bt_park); a forked child is covered by its parent's."""
+        script (stalker_agent.c, bt_park); a forked child is covered by its parent's.
+        `init`: a spawned program's init_offset, where tracing starts."""
         agent = _Agent(pid)
         params = {
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
             "spawn": spawn,
+            "initOffset": init,
             "park": park,
             "triggers": [t.__dict__ for t in self.options.triggers],
             "snapshots": self.options.snapshots,
@@ -658,6 +669,8 @@ class _Recording:
                     continue  # cut short by the agent's end
                 if event.get("type") == "inline-cache":
                     self.inline_cache = int(event["entries"])
+                elif event.get("type") == "traced-from":
+                    self.traced_from = str(event["at"])
                 elif event.get("type") == "thread-untraced":
                     self.untraced_threads.append(
                         {"pid": pid, "tid": int(event["tid"]), "start": event["routine"]}
@@ -1187,8 +1200,14 @@ class StalkerEngine:
                 f"signal handlers ran {untraced['signal']} times untraced (Stalker does not "
                 "follow them); GAP records mark where"
             )
+        if program is not None and rec.traced_from == "main" and init_offset(program) is not None:
+            result.warnings.append(
+                "the trace starts at main: the executable's _init and constructors had run "
+                "already when the agent was loaded"
+            )
         finish_meta(meta, result, rec.untraced_threads)
         meta["inline_cache"] = rec.inline_cache
+        meta["traced_from"] = rec.traced_from
         tracedir.write_meta(meta)
         return result
 
@@ -1204,6 +1223,7 @@ class StalkerEngine:
         stop: threading.Event,
         options: RecordOptions,
     ) -> RecordResult:
+        init = init_offset(program)
         device = frida.get_local_device()
         try:
             pid = device.spawn([str(program), *argv[1:]])
@@ -1216,7 +1236,9 @@ class StalkerEngine:
         try:
             session = device.attach(pid)
             main_ring = rec.add_thread(pid, pid)
-            agent = rec.load_agent(session, pid, True, main_ring, park=options.follow_fork)
+            agent = rec.load_agent(
+                session, pid, True, main_ring, park=options.follow_fork, init=init
+            )
         except BaseException as e:
             with contextlib.suppress(Exception):
                 os.kill(pid, signal.SIGKILL)
@@ -1236,8 +1258,10 @@ class StalkerEngine:
                 dropped.append(reason)
 
         session.on("detached", on_detached)
+        start = "main" if init is None else "_init (before its constructors and main)"
         events.started(
-            f"recording {argv[0]} (pid {pid}) from main with {_how(options, rec)}; Ctrl-C to stop"
+            f"recording {argv[0]} (pid {pid}) from {start} with {_how(options, rec)}; "
+            "Ctrl-C to stop"
         )
         rec.start_draining()
         exited, status = _watch_child(pid)
@@ -1283,8 +1307,6 @@ class StalkerEngine:
                 result.signal = status[0].si_status
         else:
             result.warnings.append("the program's exit status could not be observed")
-        if result.exit_code is not None:
-            result.warnings.append(EXIT_UNTRACED)
         return result
 
     @staticmethod
@@ -1490,8 +1512,6 @@ class StalkerEngine:
             result.warnings.append(_exec_warning(f"pid {pid}"))
         if status is not None:
             result.exit_code, result.signal = describe(status)
-            if result.exit_code is not None:
-                result.warnings.append(EXIT_UNTRACED)
         elif running:
             rec.orphaned.add(pid)
             result.detached = True
@@ -1499,13 +1519,6 @@ class StalkerEngine:
                 result.warnings.append(_dropped_warning(f"pid {pid}", reason))
         else:
             result.warnings.append(f"pid {pid} ended; its exit status could not be observed")
-
-
-#: after a program's own exit
-EXIT_UNTRACED = (
-    "the trace ends inside exit(): Frida stops following there, so atexit handlers and "
-    "destructors ran untraced"
-)
 
 
 #: signals a process raises itself, by faulting

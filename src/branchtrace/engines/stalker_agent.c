@@ -113,7 +113,7 @@ typedef struct {
   int forks_passing;     /* threads past that gate and not yet back from fork() */
   int returns_held;      /* bt_on_fork_return(): threads out of a fork() begun before the
                             hook wait there meanwhile, until the host has their rings */
-  int pad;
+  volatile int exiting;  /* the program called exit() (bt_on_exit) */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -535,6 +535,39 @@ void *bt_park(void *arg) {
 }
 
 void bt_park_listener(GumInvocationContext *ic) {}
+
+/* exit() runs the atexit handlers, the destructors and the stdio flush, all of them traced
+   (stalker_agent.js, keepFollowingThroughExit), then _exit(), where only the exit system call
+   is left: here the calling thread's ring is closed, so that it ends like the ring of a
+   thread that ended (its records counted as written).  The program's other threads are
+   killed where they are by that system call, their rings left open as after a crash. */
+static void write_block_far(BtThread *t, uint64_t record);
+
+/* exit() calls __call_tls_dtors, where Stalker lets go of the thread (stalker_agent.js,
+   followAgain), which is followed again from where Frida's hook returns, a few bytes into
+   the function: the function's first instruction is recorded as a block of its own, so
+   that the call goes to the function itself, as Stalker records any call of a function
+   Frida hooks (the decoder knows those few bytes ran relocated).  C, so that no
+   JavaScript runs there in a forked child. */
+extern void bt_follow_again(void);
+
+void bt_on_tls_dtors(GumInvocationContext *ic) {
+  if (!STATE->exiting || in_forked_child())
+    return;
+  BtThread *t = current_thread();
+  if (t == NULL)
+    return;
+  write_block_far(t, (uint64_t)ic->function);
+  bt_follow_again();
+}
+
+void bt_on_exit(GumInvocationContext *ic) {
+  if (!STATE->exiting || in_forked_child())
+    return;
+  BtThread *t = current_thread();
+  if (t != NULL)
+    bt_thread_close(t);
+}
 
 void bt_unpark(void) {
   STATE->unpark = 1;
@@ -1047,20 +1080,29 @@ static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
   return 0;
 }
 
-/* A block compiled once the thread's block table is full: a callout writes its BLOCK_FAR
-   record through bt_writer.h (a word of the ring holds slots, never a BLOCK word). */
-static void on_spilled_block(GumCpuContext *cpu, gpointer user_data) {
-  uint64_t *spilled = user_data;
-  BtThread *t = (BtThread *)spilled[0];
+/* A BLOCK word written as a BLOCK_FAR record through bt_writer.h (a word of the ring holds
+   slots, never a BLOCK word). */
+static void write_block_far(BtThread *t, uint64_t record) {
   if (t->closed)
     return;
   t->in_c++;
   sync_head(t);
-  uint64_t far[2] = {bt_escape(BT_RECORDTYPE_BLOCK_FAR, 1, spilled[1] >> BT_BLOCK_ADDR_BITS),
-                     spilled[1] & ((1ULL << BT_BLOCK_ADDR_BITS) - 1)};
+  uint64_t far[2] = {bt_escape(BT_RECORDTYPE_BLOCK_FAR, 1, record >> BT_BLOCK_ADDR_BITS),
+                     record & ((1ULL << BT_BLOCK_ADDR_BITS) - 1)};
   write_counted(t, far, 2);
   refill(t);
   leave_c(t);
+}
+
+/* A block of one instruction at `start` (stalker_agent.js, follow). */
+void bt_thread_block(BtThread *t, uint64_t start) {
+  write_block_far(t, start);
+}
+
+/* A block compiled once the thread's block table is full: a callout writes its record. */
+static void on_spilled_block(GumCpuContext *cpu, gpointer user_data) {
+  uint64_t *spilled = user_data;
+  write_block_far((BtThread *)spilled[0], spilled[1]);
 }
 
 static uint64_t *new_spilled(BtThread *t) {

@@ -1,8 +1,8 @@
 'use strict';
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
-// PARAMS is prepended by the host: {cSource, mainRing, spawn, park, triggers, snapshots,
-// notesPath}.
+// PARAMS is prepended by the host: {cSource, mainRing, spawn, initOffset, park, triggers,
+// snapshots, notesPath}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Asked once per compiled block (never per execution): blocks of Frida's own code, such as
@@ -17,7 +17,8 @@ state.add(8 + 8 * 4096 + 8).writeU64(0); // no fork held or under way
 const PARKED = 8 + 8 * 4096 + 16; // BtState.parked: the parked thread's tid (bt_park)
 state.add(PARKED).writeU64(0); // none yet, and it need not return
 state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
-state.add(PARKED + 16).writeU64(0); // no thread held where a fork() returns
+state.add(PARKED + 16).writeU64(0); // no thread held where a fork() returns; not exiting
+const EXITING = PARKED + 20; // BtState.exiting
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
@@ -71,6 +72,16 @@ const forkReturned = new NativeCallback(() => {
   }
   return 0;
 }, 'int', []);
+// exit() runs __call_tls_dtors, where Frida's thread registry takes the calling thread for
+// one that ends, and Stalker lets go of it: followed again there (bt_on_tls_dtors), with
+// the ring it has, as the rest of exit() is the program's too.
+const followAgain = new NativeCallback(() => {
+  const tid = Process.getCurrentThreadId();
+  const t = threads.get(tid);
+  if (t !== undefined) {
+    Stalker.follow(tid, { transform: cm.transform, data: t });
+  }
+}, 'void', []);
 const hookedHandlers = new Set();
 const newHandler = new NativeCallback((handler) => {
   const key = handler.toString();
@@ -87,6 +98,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_before_fork: beforeFork,
   bt_after_fork: afterFork,
   bt_fork_returned: forkReturned,
+  bt_follow_again: followAgain,
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
   syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),
@@ -106,6 +118,7 @@ const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
+const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', 'pointer']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
 const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
@@ -144,6 +157,9 @@ function release() {
 
 const threads = new Map(); // tid -> BtThread*
 let tracing = false;
+// The program called exit(): its threads stay followed to the end of the process
+// (keepFollowingThroughExit).
+let exiting = false;
 
 function openRing(tid, path) {
   const t = threadAlloc();
@@ -156,8 +172,14 @@ function openRing(tid, path) {
   return t;
 }
 
-function follow(tid, path) {
+// `hooked`: the thread is in a hook of ours at the start of that function, whose first
+// instructions run relocated in Frida's code: the trace starts with the function's first
+// instruction as a block of its own (the decoder knows the rest of them ran).
+function follow(tid, path, hooked = null) {
   const t = openRing(tid, path);
+  if (t !== null && hooked !== null) {
+    threadBlock(t, hooked);
+  }
   if (t !== null && !inFork.has(tid)) { // else afterFork follows it
     Stalker.follow(tid, { transform: cm.transform, data: t });
   }
@@ -200,13 +222,20 @@ Process.attachThreadObserver({
   onRemoved(thread) {
     forksBegunBefore.delete(thread.id);
     const t = threads.get(thread.id);
-    if (t !== undefined && inTracedProcess()) {
+    if (t !== undefined && inTracedProcess() && !exiting) {
       threadClose(t);
       threads.delete(thread.id);
       send({ type: 'thread-exit', tid: thread.id });
     }
   },
 });
+// After the thread observer, so that it runs after the registry's own hook (see followAgain).
+const tlsDtors = Module.findGlobalExportByName('__call_tls_dtors');
+if (tlsDtors !== null) {
+  Interceptor.attach(tlsDtors, { onEnter: cm.bt_on_tls_dtors });
+}
+// After Frida's own hook of _exit(), which disposes of this script first (see dispose).
+Interceptor.attach(libc('_exit'), { onEnter: cm.bt_on_exit });
 
 // Signal handlers run untraced; their entries are marked (see stalker_agent.c).
 for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
@@ -222,19 +251,31 @@ Interceptor.attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
 Interceptor.attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
 let forkDone = Interceptor.attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
 
+// A spawned program is traced from the first of these its main thread runs: the
+// executable's _init, where Frida holds it (libc calls _init right before the executable's
+// constructors and main), or main, should _init be missing or have run already.
 if (PARAMS.spawn) {
+  const starts = [];
+  if (PARAMS.initOffset !== null) {
+    starts.push(['_init', Process.mainModule.base.add(PARAMS.initOffset)]);
+  }
   const main = findMain();
-  if (main === null) {
+  if (main !== null) {
+    starts.push(['main', main]);
+  }
+  if (starts.length === 0) {
     send({ type: 'error', message: 'cannot find main in the executable' });
-  } else {
-    let started = false;
-    Interceptor.attach(main, {
+  }
+  let started = false;
+  for (const [name, at] of starts) {
+    Interceptor.attach(at, {
       onEnter() {
         if (!started) {
           started = true;
           park();
           tracing = true;
-          follow(Process.getCurrentThreadId(), PARAMS.mainRing);
+          follow(Process.getCurrentThreadId(), PARAMS.mainRing, at);
+          note({ type: 'traced-from', at: name });
         }
       },
     });
@@ -457,13 +498,30 @@ rpc.exports = {
   },
   // Frida unloads the script without stop() when the host is gone or drops the session: the
   // rings are closed all the same, and the parked thread must return for the unload to end.
-  // Not in a forked child, where Frida closes its copy of this script (bt_park).
-  dispose() {
-    if (inTracedProcess()) {
+  // Not in a forked child, where Frida closes its copy of this script (bt_park).  Frida
+  // also calls it as the program enters exit(), _exit() or abort(): see
+  // keepFollowingThroughExit.
+  dispose(reason) {
+    if (!inTracedProcess()) {
+      return;
+    }
+    if (reason === 'exit') {
+      keepFollowingThroughExit();
+    } else {
       finish();
     }
   },
 };
+
+// The program is on its way out: what exit() runs (atexit handlers, destructors, the stdio
+// flush) is the program's code, and a crash there is one to debug, so the threads stay
+// followed and their rings open (Frida would have had this script stop everything here).
+// The thread that called exit() closes its ring at _exit(), the others die with the process
+// (bt_on_exit); the host reads them as it reads the rings of a crashed program.
+function keepFollowingThroughExit() {
+  exiting = true;
+  state.add(EXITING).writeS32(1);
+}
 
 let finished = null;
 function finish() {

@@ -7,8 +7,9 @@ not), like Stalker's blocks.  A signal delivery is an explicit BRANCH record of 
 INTERRUPT (from: where the interrupted code resumes, to: the handler), so handlers are
 traced and the decoder knows where they return to.
 
-It spawns the program stopped at exec, runs it natively to `main` (an int3 there), then
-steps every thread until the program ends.  Threads are followed through clone.
+It spawns the program stopped at exec, runs it natively to the executable's `_init` (where
+the stalker engine starts too: base.init_offset), or to `main` when it has none (an int3
+there), then steps every thread until the program ends.  Threads are followed through clone.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .base import (
     Target,
     ThreadStats,
     finish_meta,
+    init_offset,
     start_meta,
 )
 from .stalker import resolve_program
@@ -134,7 +136,8 @@ class StepEngine:
             raise InvalidArgumentError(f"buffer size {options.buffer_size} is too small")
         options = dataclasses.replace(options, buffer_size=size)
         program = resolve_program(target.argv[0])
-        main_file_address, pie = _main_address(program)
+        init = init_offset(program)  # where tracing starts, as the stalker engine's does
+        main_file_address, pie = (0, False) if init is not None else _main_address(program)
         tracedir = TraceDir.create(options.output)
         meta = start_meta(self.name, options, target.argv, str(program))
         try:
@@ -148,13 +151,17 @@ class StepEngine:
         pt.call(pt.PTRACE_SETOPTIONS, pid, 0, pt.O_TRACECLONE | pt.O_EXITKILL)
         session = _Session(pid, program, tracedir, options, stop)
         events.started(
-            f"recording {target.argv[0]} (pid {pid}) from main with the step engine "
+            f"recording {target.argv[0]} (pid {pid}) from {'main' if init is None else '_init'} "
+            "with the step engine "
             f"(ptrace single-step: exact, slow), {options.mode.name.lower()} mode, "
             f"into {tracedir.path}; Ctrl-C to stop"
         )
         result = RecordResult(tracedir.path, pid)
         try:
-            session.run_to(session.runtime_address(main_file_address, pie))
+            if init is None:
+                session.run_to(session.runtime_address(main_file_address, pie))
+            else:
+                session.run_to(session.runtime_address(init, True))
             status = session.step_all()
         finally:
             result.threads = session.close()
@@ -260,7 +267,7 @@ class _Session:
         pt.call(pt.PTRACE_CONT, self.pid)
         _, status = os.waitpid(self.pid, pt.WALL)
         if not os.WIFSTOPPED(status) or os.WSTOPSIG(status) != signal.SIGTRAP:
-            raise LaunchError("the program ended before reaching main")
+            raise LaunchError("the program ended before tracing could start")
         pt.call(pt.PTRACE_POKETEXT, self.pid, address, word)
         regs = pt.getregs(self.pid)
         regs.rip = address
