@@ -19,8 +19,11 @@ from branchtrace.analysis.kernels import HOW_CALL
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
 
 
-def bt(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*BT, *map(str, args)], capture_output=True, text=True, timeout=300)
+def bt(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[str]:
+    env = None if columns is None else {**os.environ, "COLUMNS": str(columns)}
+    return subprocess.run(
+        [*BT, *map(str, args)], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def recorded(tmp_path: Path, program: Path, *args: str, mode: str = "stream", **kw) -> Path:
@@ -99,6 +102,11 @@ def test_stats_count_calls_per_function_and_thread(tmp_path, programs):
     assert sorted(t.get("g", 0) for t in threads["threads"].values()) == [0, 1009, 2003, 3001, 4001]
     table = bt("stats", tmp_path / "fib", "-n", "3")
     assert table.returncode == 0 and "21,891" in table.stdout and "fib" in table.stdout
+    # a terminal too narrow for the table gets longer lines, never a count or a name cut
+    narrow = bt("stats", tmp_path / "fib", "-n", "3", columns=8).stdout.splitlines()
+    assert narrow[1].split() == ["21,891", "fib"]
+    narrow = bt("show", tmp_path / "fib", "-n", "1", columns=8).stdout.splitlines()
+    assert narrow[2].split()[-2:] == ["_exit", "call"]  # the last branch: exit() is traced
     # a column per thread only while they fit: the function names are never cut short
     wide = bt("stats", tmp_path / "threads", "-n", "1")
     assert wide.stdout.splitlines()[0].split()[1:-1] == [f"T{t}" for t in threads["threads"]]

@@ -15,6 +15,7 @@ from typing import Any
 import click
 import numpy as np
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from ..analysis import CallHistory, Trace
@@ -24,6 +25,19 @@ from ..errors import UsageError
 from ..store import BranchKind
 
 out = Console(highlight=False, soft_wrap=True)
+
+
+def _print_whole(table: Table) -> None:
+    """Print `table` with no cell cut short: a name or a count is evidence, so a table wider
+    than the terminal (C++ names) makes longer lines rather than "2,5…" or a cropped name."""
+    natural = Measurement.get(out, out.options.update(max_width=1 << 20), table).maximum
+    width = out.width
+    out.width = max(width, natural)
+    try:
+        out.print(table)
+    finally:
+        out.width = width
+
 
 path_argument = click.argument(
     "path", type=click.Path(path_type=Path), default="branchtrace.data", required=False
@@ -100,7 +114,7 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
                 _where(dst_sym[i], dst_line[i]),
                 _kind_name(int(b["kind"])),
             )
-        out.print(table)
+        _print_whole(table)
 
 
 # -- calls -----------------------------------------------------------------------------------
@@ -304,7 +318,7 @@ def stats(path: Path, top: int, tid: int | None, as_json: bool) -> None:
     table.add_column("function", no_wrap=True, overflow="ignore")
     for name, n in rows:
         table.add_row(f"{n:,}", *(f"{per_thread[str(t)].get(name, 0):,}" for t in columns), name)
-    out.print(table)
+    _print_whole(table)
     if top and len(functions) > top:
         out.print(f"[dim]... {len(functions) - top} more functions (-n 0 lists all)[/dim]")
     if len(threads) > 1 and not columns:
