@@ -234,7 +234,9 @@ const tlsDtors = Module.findGlobalExportByName('__call_tls_dtors');
 if (tlsDtors !== null) {
   Interceptor.attach(tlsDtors, { onEnter: cm.bt_on_tls_dtors });
 }
-// After Frida's own hook of _exit(), which disposes of this script first (see dispose).
+// exit() has set the flag on its way in (Frida's hook of exit() calls dispose) by the time it
+// calls _exit().  A program that calls _exit() itself was seen to get here before that: its
+// ring then stays open, and is read as after a crash.
 Interceptor.attach(libc('_exit'), { onEnter: cm.bt_on_exit });
 
 // Signal handlers run untraced; their entries are marked (see stalker_agent.c).
