@@ -508,7 +508,9 @@ class _Recording:
         self.snapshots: list[Path] = []  #: --trigger snapshot directories, in order
         #: entries of Stalker's inline cache per indirect branch (stalker_agent.c)
         self.inline_cache: int | None = None
-        #: where a spawned program's trace starts: "_init" or "main" (stalker_agent.js)
+        #: a spawned program's init_offset, and where its trace started: "_init" or "main"
+        #: (stalker_agent.js)
+        self.init: int | None = None
         self.traced_from: str | None = None
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
@@ -536,6 +538,8 @@ class _Recording:
         script (stalker_agent.c, bt_park); a forked child is covered by its parent's.
         `init`: a spawned program's init_offset, where tracing starts."""
         agent = _Agent(pid)
+        if spawn:
+            self.init = init
         params = {
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
@@ -1200,7 +1204,7 @@ class StalkerEngine:
                 f"signal handlers ran {untraced['signal']} times untraced (Stalker does not "
                 "follow them); GAP records mark where"
             )
-        if program is not None and rec.traced_from == "main" and init_offset(program) is not None:
+        if rec.traced_from == "main" and rec.init is not None:
             result.warnings.append(
                 "the trace starts at main: the executable's _init and constructors had run "
                 "already when the agent was loaded"

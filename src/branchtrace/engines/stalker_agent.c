@@ -536,11 +536,6 @@ void *bt_park(void *arg) {
 
 void bt_park_listener(GumInvocationContext *ic) {}
 
-/* exit() runs the atexit handlers, the destructors and the stdio flush, all of them traced
-   (stalker_agent.js, keepFollowingThroughExit), then _exit(), where only the exit system call
-   is left: here the calling thread's ring is closed, so that it ends like the ring of a
-   thread that ended (its records counted as written).  The program's other threads are
-   killed where they are by that system call, their rings left open as after a crash. */
 static void write_block_far(BtThread *t, uint64_t record);
 
 /* exit() calls __call_tls_dtors, where Stalker lets go of the thread (stalker_agent.js,
@@ -561,6 +556,11 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
   bt_follow_again();
 }
 
+/* exit() runs the atexit handlers, the destructors and the stdio flush, all of them traced
+   (stalker_agent.js, keepFollowingThroughExit), then _exit(), where only the exit system call
+   is left: here the calling thread's ring is closed, so that it ends like the ring of a
+   thread that ended (its records counted as written).  The program's other threads are
+   killed where they are by that system call, their rings left open as after a crash. */
 void bt_on_exit(GumInvocationContext *ic) {
   if (!STATE->exiting || in_forked_child())
     return;

@@ -137,7 +137,8 @@ class StepEngine:
         options = dataclasses.replace(options, buffer_size=size)
         program = resolve_program(target.argv[0])
         init = init_offset(program)  # where tracing starts, as the stalker engine's does
-        main_file_address, pie = (0, False) if init is not None else _main_address(program)
+        # an offset from the load base is where it is relative to the lowest mapping, PIE or not
+        start, pie = (init, True) if init is not None else _main_address(program)
         tracedir = TraceDir.create(options.output)
         meta = start_meta(self.name, options, target.argv, str(program))
         try:
@@ -158,10 +159,7 @@ class StepEngine:
         )
         result = RecordResult(tracedir.path, pid)
         try:
-            if init is None:
-                session.run_to(session.runtime_address(main_file_address, pie))
-            else:
-                session.run_to(session.runtime_address(init, True))
+            session.run_to(session.runtime_address(start, pie))
             status = session.step_all()
         finally:
             result.threads = session.close()
