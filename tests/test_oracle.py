@@ -35,6 +35,7 @@ FIXTURES = {
     "crash": ((), None),
     "exceptions": ((), "27"),
     "lifecycle": ((), "sum 6"),
+    "threadend": ((), "done"),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -276,8 +277,11 @@ def test_the_trace_runs_from_before_the_constructors_to_exit(tmp_path, programs,
     tls = modules(trace, tid).runtime_address("libc.so.6", "__call_tls_dtors")
     b = branchtrace.open(trace.path).branches(tid)
     assert ((b["to"] == tls) & (b["kind"] == BranchKind.CALL)).sum() == 1
-    # up to _exit(), where only the exit system call is left and the ring is closed
-    assert b[-1]["to"] == modules(trace, tid).runtime_address("libc.so.6", "_exit")
+    # into _exit() and up to its exit_group system call, where the ring is closed
+    exit_ = modules(trace, tid).runtime_address("libc.so.6", "_exit")
+    assert b[b["kind"] == BranchKind.CALL][-1]["to"] == exit_
+    last = modules(trace, tid).symbolize(np.array([b[-1]["from"], b[-1]["to"]]))
+    assert all(re.fullmatch(r"_exit(\+0x[0-9a-f]+)?", where) for where in last), last
     with Ring.open(trace.ring_path(tid)) as ring:
         assert ring.writer_state == WriterState.CLOSED
     assert_counts_are_the_records(trace)
@@ -308,6 +312,59 @@ def test_a_crash_in_a_constructor_or_an_atexit_handler_is_traced_to_the_faulting
     assert last["type"] == RecordType.BLOCK
     (where,) = branchtrace.open(trace.path).modules(tid).symbolize(np.array([last["a"]]))
     assert where.startswith("step+"), where
+    assert_counts_are_the_records(trace)
+
+
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_a_thread_is_traced_through_its_destructors_to_its_exit(tmp_path, programs, mode):
+    # Frida's thread registry takes a thread in __call_tls_dtors for one that ends, and
+    # Stalker lets go of it there: its thread_local and key destructors still run after
+    threadend = programs["threadend"]
+    res = record(tmp_path / "d", "--", str(threadend), mode=mode)
+    assert res.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    main_tid, *workers = sorted(trace.threads(), key=lambda t: t != trace.meta()["pid"])
+    assert main_tid == trace.meta()["pid"] and len(workers) == 2
+    for tid in workers:  # the first returns, the second calls pthread_exit()
+        assert indirect_calls_to(trace, tid, threadend, "on_tls_end") == 1
+        assert indirect_calls_to(trace, tid, threadend, "on_key_end") == 1
+        assert calls_to(trace, tid, threadend, "step") == 5
+        # the ring is closed at the exit system call, the last thing the thread runs
+        with Ring.open(trace.ring_path(tid)) as ring:
+            assert ring.writer_state == WriterState.CLOSED
+    assert_counts_are_the_records(trace)
+
+
+def test_a_crash_in_a_key_destructor_is_traced_to_the_faulting_function(tmp_path, programs):
+    threadend = programs["threadend"]
+    res = record(tmp_path / "d", "--", str(threadend), "key-crash")
+    assert res.returncode == 128 + signal.SIGSEGV, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (worker,) = [t for t in trace.threads() if t != trace.meta()["pid"]]
+    assert indirect_calls_to(trace, worker, threadend, "on_key_end") == 1
+    assert calls_to(trace, worker, threadend, "step") == 5  # the last one faults
+    words, pos = trace.words(worker)
+    last = parse_words(words, pos)[-1]
+    (where,) = branchtrace.open(trace.path).modules(worker).symbolize(np.array([last["a"]]))
+    assert last["type"] == RecordType.BLOCK and where.startswith("step+"), where
+    with Ring.open(trace.ring_path(worker)) as ring:
+        assert ring.writer_state != WriterState.CLOSED
+    assert_counts_are_the_records(trace)
+
+
+def test_a_thread_that_ended_leaves_no_ring_mapped_in_the_program(tmp_path, programs):
+    # a program that starts and ends many threads would otherwise hold every one's ring
+    res = record(
+        tmp_path / "d", "--buffer-size", "512K", "--", str(programs["threadend"]), "churn", "40"
+    )
+    assert res.returncode == 0, res.stderr
+    kib = int(res.stdout.removeprefix("rings mapped: ").removesuffix(" KiB\n"))
+    assert 512 <= kib < 2 * 512, kib  # the main thread's ring (and its header page again)
+    trace = TraceDir.open(tmp_path / "d")
+    assert len(trace.threads()) == 41
+    for tid in trace.threads():
+        if tid != trace.meta()["pid"]:
+            assert indirect_calls_to(trace, tid, programs["threadend"], "nothing") == 1
     assert_counts_are_the_records(trace)
 
 

@@ -93,6 +93,7 @@ typedef struct {
   volatile uint64_t signal_gaps_due;
   uint64_t signal_gaps_done;
   volatile int in_c;     /* the thread is inside C code that moves the head or `wp` */
+  uint8_t *scratch_area; /* the mapping `scratch` lies in */
 } BtThread;
 
 #define BT_MAX_THREADS 4096
@@ -113,7 +114,6 @@ typedef struct {
   int forks_passing;     /* threads past that gate and not yet back from fork() */
   int returns_held;      /* bt_on_fork_return(): threads out of a fork() begun before the
                             hook wait there meanwhile, until the host has their rings */
-  volatile int exiting;  /* the program called exit() (bt_on_exit) */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -298,8 +298,8 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
     t->w.zero_chunks = 0;
     BT_HDR64(&t->w, BT_OFF_INLINE_BASE) = (uint64_t)t->w.data;
   }
-  uint8_t *scratch_area = mmap(NULL, 2 * BT_CHUNK, 3, 0x22, -1, 0);
-  t->scratch = align_up(scratch_area, BT_CHUNK);
+  t->scratch_area = mmap(NULL, 2 * BT_CHUNK, 3, 0x22, -1, 0);
+  t->scratch = align_up(t->scratch_area, BT_CHUNK);
   t->tid = tid;
   t->dropping = 0;
   t->closed = 0;
@@ -538,16 +538,20 @@ void bt_park_listener(GumInvocationContext *ic) {}
 
 static void write_block_far(BtThread *t, uint64_t record);
 
-/* exit() calls __call_tls_dtors, where Stalker lets go of the thread (stalker_agent.js,
-   followAgain), which is followed again from where Frida's hook returns, a few bytes into
-   the function: the function's first instruction is recorded as a block of its own, so
-   that the call goes to the function itself, as Stalker records any call of a function
-   Frida hooks (the decoder knows those few bytes ran relocated).  C, so that no
-   JavaScript runs there in a forked child. */
+/* A thread that ends, and exit() on behalf of the whole process, call __call_tls_dtors,
+   where Frida's thread registry takes the thread for one that ends and Stalker lets go of
+   it.  What runs from there is the program's all the same (thread_local and pthread key
+   destructors, exit()'s atexit handlers, destructors and stdio flush) and a crash there is
+   one to debug, so the thread is followed again (stalker_agent.js, followAgain) from where
+   Frida's hook returns, a few bytes into the function: the function's first instruction
+   is recorded as a block of its own, so that the call goes to the function itself, as
+   Stalker records any call of a function Frida hooks (the decoder knows those few bytes
+   ran relocated).  The ring is closed at the exit system call (on_exit_syscall).  C, so
+   that no JavaScript runs there in a forked child. */
 extern void bt_follow_again(void);
 
 void bt_on_tls_dtors(GumInvocationContext *ic) {
-  if (!STATE->exiting || in_forked_child())
+  if (in_forked_child())
     return;
   BtThread *t = current_thread();
   if (t == NULL)
@@ -556,17 +560,38 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
   bt_follow_again();
 }
 
-/* exit() runs the atexit handlers, the destructors and the stdio flush, all of them traced
-   (stalker_agent.js, keepFollowingThroughExit), then _exit(), where only the exit system call
-   is left: here the calling thread's ring is closed, so that it ends like the ring of a
-   thread that ended (its records counted as written).  The program's other threads are
-   killed where they are by that system call, their rings left open as after a crash. */
-void bt_on_exit(GumInvocationContext *ic) {
-  if (!STATE->exiting || in_forked_child())
+/* The process lives on without a thread that ends, which runs nothing more: what was
+   mapped and opened for it goes, where a program that starts and ends many threads would
+   otherwise keep every one of them (its ring's 4 KiB state page stays, as the agent still
+   tells its tid and state from it). */
+static void release_ended_thread(BtThread *t) {
+  if (t->reserve == NULL)
     return;
-  BtThread *t = current_thread();
-  if (t != NULL)
-    bt_thread_close(t);
+  t->wpp = &t->wp;
+  if (t->header32 != NULL)
+    munmap(t->header32, 4096);
+  munmap(t->reserve, t->reserve_size); /* the ring and its block table */
+  munmap(t->scratch_area, 2 * BT_CHUNK);
+  if (t->cs != 0) {
+    cs_free(t->cs_insn, 1);
+    cs_close(&t->cs);
+  }
+  t->header32 = NULL;
+  t->reserve = NULL;
+}
+
+/* Before every system call instruction: at exit (the thread ends) or exit_group (the
+   process does), nothing but the kernel runs after it, and the ring is closed, so that it
+   ends like the ring of a thread that ended, its records counted as written.  The other
+   threads that exit_group kills where they are leave their rings open, read as after a
+   crash. */
+static void on_exit_syscall(GumCpuContext *cpu, gpointer user_data) {
+  BtThread *t = user_data;
+  if ((cpu->rax != 60 /* exit */ && cpu->rax != 231 /* exit_group */) || in_forked_child())
+    return;
+  bt_thread_close(t);
+  if (cpu->rax == 60)
+    release_ended_thread(t);
 }
 
 void bt_unpark(void) {
@@ -1169,6 +1194,8 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     }
     first = 0;
     last = insn->address;
+    if (insn->id == X86_INS_SYSCALL)
+      gum_stalker_iterator_put_callout(iterator, on_exit_syscall, t, NULL);
     gum_stalker_iterator_keep(iterator);
   }
   if (tail_slow)

@@ -17,8 +17,7 @@ state.add(8 + 8 * 4096 + 8).writeU64(0); // no fork held or under way
 const PARKED = 8 + 8 * 4096 + 16; // BtState.parked: the parked thread's tid (bt_park)
 state.add(PARKED).writeU64(0); // none yet, and it need not return
 state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
-state.add(PARKED + 16).writeU64(0); // no thread held where a fork() returns; not exiting
-const EXITING = PARKED + 20; // BtState.exiting
+state.add(PARKED + 16).writeU32(0); // no thread held where a fork() returns
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
@@ -72,13 +71,14 @@ const forkReturned = new NativeCallback(() => {
   }
   return 0;
 }, 'int', []);
-// exit() runs __call_tls_dtors, where Frida's thread registry takes the calling thread for
-// one that ends, and Stalker lets go of it: followed again there (bt_on_tls_dtors), with
-// the ring it has, as the rest of exit() is the program's too.
+// A thread that ends, and exit(), run __call_tls_dtors, where Frida's thread registry takes
+// the calling thread for one that ends, and Stalker lets go of it: followed again there
+// (bt_on_tls_dtors), with the ring it has, as the rest is the program's code too.  Not once
+// tracing has stopped: this script is on its way out then.
 const followAgain = new NativeCallback(() => {
   const tid = Process.getCurrentThreadId();
   const t = threads.get(tid);
-  if (t !== undefined) {
+  if (t !== undefined && tracing) {
     Stalker.follow(tid, { transform: cm.transform, data: t });
   }
 }, 'void', []);
@@ -157,9 +157,6 @@ function release() {
 
 const threads = new Map(); // tid -> BtThread*
 let tracing = false;
-// The program called exit(): its threads stay followed to the end of the process
-// (keepFollowingThroughExit).
-let exiting = false;
 
 function openRing(tid, path) {
   const t = threadAlloc();
@@ -191,6 +188,7 @@ function followNewThread() {
   send({ type: 'thread-start', tid });
   let reply = null;
   recv(`ring:${tid}`, (m) => { reply = m; }).wait();
+  Stalker.garbageCollect();
   if (reply.path) {
     follow(tid, reply.path);
   }
@@ -219,14 +217,10 @@ Process.attachThreadObserver({
     }
     followNewThread();
   },
+  // Called in __call_tls_dtors, before the thread's last code (see followAgain): its ring
+  // is closed at its exit system call.
   onRemoved(thread) {
     forksBegunBefore.delete(thread.id);
-    const t = threads.get(thread.id);
-    if (t !== undefined && inTracedProcess() && !exiting) {
-      threadClose(t);
-      threads.delete(thread.id);
-      send({ type: 'thread-exit', tid: thread.id });
-    }
   },
 });
 // After the thread observer, so that it runs after the registry's own hook (see followAgain).
@@ -234,10 +228,6 @@ const tlsDtors = Module.findGlobalExportByName('__call_tls_dtors');
 if (tlsDtors !== null) {
   Interceptor.attach(tlsDtors, { onEnter: cm.bt_on_tls_dtors });
 }
-// exit() has set the flag on its way in (Frida's hook of exit() calls dispose) by the time it
-// calls _exit().  A program that calls _exit() itself was seen to get here before that: its
-// ring then stays open, and is read as after a crash.
-Interceptor.attach(libc('_exit'), { onEnter: cm.bt_on_exit });
 
 // Signal handlers run untraced; their entries are marked (see stalker_agent.c).
 for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
@@ -501,29 +491,17 @@ rpc.exports = {
   // Frida unloads the script without stop() when the host is gone or drops the session: the
   // rings are closed all the same, and the parked thread must return for the unload to end.
   // Not in a forked child, where Frida closes its copy of this script (bt_park).  Frida
-  // also calls it as the program enters exit(), _exit() or abort(): see
-  // keepFollowingThroughExit.
+  // also calls it as the program enters exit(), _exit() or abort(), to stop everything
+  // there; but what exit() runs (atexit handlers, destructors, the stdio flush) is the
+  // program's code, and a crash there is one to debug: the threads stay followed, each
+  // ring closed at its thread's exit system call or left open by a kill, read as after a
+  // crash (on_exit_syscall in stalker_agent.c).
   dispose(reason) {
-    if (!inTracedProcess()) {
-      return;
-    }
-    if (reason === 'exit') {
-      keepFollowingThroughExit();
-    } else {
+    if (inTracedProcess() && reason !== 'exit') {
       finish();
     }
   },
 };
-
-// The program is on its way out: what exit() runs (atexit handlers, destructors, the stdio
-// flush) is the program's code, and a crash there is one to debug, so the threads stay
-// followed and their rings open (Frida would have had this script stop everything here).
-// The thread that called exit() closes its ring at _exit(), the others die with the process
-// (bt_on_exit); the host reads them as it reads the rings of a crashed program.
-function keepFollowingThroughExit() {
-  exiting = true;
-  state.add(EXITING).writeS32(1);
-}
 
 let finished = null;
 function finish() {
