@@ -484,6 +484,16 @@ def _writer_done(ring: Ring) -> bool:
     return state == WriterState.CLOSED or (state == WriterState.ACTIVE and not ring.writer_alive())
 
 
+#: where the ring made ahead for the next thread waits (hidden: no thread's store)
+_SPARE_RING = ".spare.bts"
+
+
+def _discard(ring: Ring) -> None:
+    ring.close()
+    with contextlib.suppress(OSError):
+        ring.path.unlink()
+
+
 def _table_entries(buffer_size: int) -> int:
     """Block table entries per thread: 1/64 of the ring (8 bytes an entry, so an eighth of
     its size), 4096 to 1M.  A thread rarely runs more distinct blocks than that (gzip of
@@ -522,6 +532,11 @@ class _Recording:
         self.errors: list[str] = []
         self._done = threading.Event()
         self._drainer: threading.Thread | None = None
+        #: a ring made ahead for the next thread (_keep_a_spare): a new thread otherwise
+        #: waits while its ring is made (a 16 MiB ring: 7 ms, as long as the rest of its start)
+        self._spare: Ring | None = None
+        self._spare_wanted = threading.Event()
+        self._spare_maker: threading.Thread | None = None
 
     def load_agent(
         self,
@@ -565,17 +580,8 @@ class _Recording:
         if tid in self.rings:
             raise StoreError(_REUSED_ID.format(tid))
         path = self.tracedir.ring_path(tid)
-        ring = Ring.create(
-            path,
-            self.options.buffer_size,
-            self.options.mode,
-            _FLAGS[self.options.mode],
-            tid=tid,
-            chunk_size=CHUNK,
-            populate=True,
-            table_entries=self.options.block_table or _table_entries(self.options.buffer_size),
-            meta_size=META_LOG,
-        )
+        ring = self._take_spare(path, tid) or self._new_ring(path, tid)
+        self._want_a_spare()
         reader = stream_fd = None
         if self.options.mode != Mode.WRAP and not self.drain_failed:
             # the consumer exists before the writer: a full ring always has someone to wait for
@@ -594,6 +600,75 @@ class _Recording:
         if self.options.sched:
             self._watch_switches(tid)
         return path
+
+    def _new_ring(self, path: Path, tid: int) -> Ring:
+        return Ring.create(
+            path,
+            self.options.buffer_size,
+            self.options.mode,
+            _FLAGS[self.options.mode],
+            tid=tid,
+            chunk_size=CHUNK,
+            populate=True,
+            table_entries=self.options.block_table or _table_entries(self.options.buffer_size),
+            meta_size=META_LOG,
+        )
+
+    def _take_spare(self, path: Path, tid: int) -> Ring | None:
+        with self.lock:
+            spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        try:
+            os.rename(spare.path, path)
+        except OSError:
+            _discard(spare)
+            return None
+        spare.path = path
+        spare._set("tid", tid)
+        spare._set("created_ns", time.time_ns())
+        return spare
+
+    def _want_a_spare(self) -> None:
+        self._spare_wanted.set()
+        with self.lock:
+            if self._spare_maker is not None or self._done.is_set():
+                return
+            self._spare_maker = threading.Thread(
+                target=self._keep_a_spare, name="bt-spare-ring", daemon=True
+            )
+            self._spare_maker.start()
+
+    def _keep_a_spare(self) -> None:
+        path = self.tracedir.path / _SPARE_RING
+        while True:
+            self._spare_wanted.wait()
+            self._spare_wanted.clear()
+            if self._done.is_set():
+                return
+            with self.lock:
+                if self._spare is not None:
+                    continue
+            try:
+                spare = self._new_ring(path, 0)
+            except (BranchtraceError, OSError):
+                return  # a full disk: each thread's ring is made as it starts, and fails there
+            with self.lock:
+                if not self._done.is_set():
+                    self._spare = spare
+                    continue
+            _discard(spare)
+            return
+
+    def _drop_spare(self) -> None:
+        """After _done is set: no spare ring is left in the recording."""
+        self._spare_wanted.set()
+        if self._spare_maker is not None:
+            self._spare_maker.join()
+        with self.lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            _discard(spare)
 
     def traced_anything(self) -> bool:
         """Whether any thread has written to its ring (before `finish`)."""
@@ -809,6 +884,7 @@ class _Recording:
     def finish(self) -> dict[int, ThreadStats]:
         """Stop draining, take the last records (recovering past data_head), close."""
         self._done.set()
+        self._drop_spare()
         if self._drainer is not None:
             self._drainer.join()
         self._drain_once(final=True)
