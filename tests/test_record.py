@@ -362,6 +362,7 @@ def test_a_thread_that_ended_leaves_no_ring_mapped_in_the_program(tmp_path, prog
     assert 512 <= kib < 2 * 512, kib  # the main thread's ring (and its header page again)
     trace = TraceDir.open(tmp_path / "d")
     assert len(trace.threads()) == 41
+    assert not (tmp_path / "d" / ".spare.bts").exists()  # the ring made ahead is gone
     for tid in trace.threads():
         if tid != trace.meta()["pid"]:
             assert indirect_calls_to(trace, tid, programs["threadend"], "nothing") == 1
