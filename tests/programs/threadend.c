@@ -4,9 +4,11 @@
    calls step() twice and its key destructor 3 times; worker 0 returns, worker 1 calls
    pthread_exit().
    `threadend key-crash`: one worker, whose key destructor faults in its third step().
-   `threadend churn N`: N threads one after another; then the program prints how many KiB
-   of branchtrace's rings (*.bts files) it still has mapped. */
+   `threadend churn N`: N threads one after another, then one more that takes a signal
+   (SIGUSR1, with a handler); then the program prints how many KiB of branchtrace's rings
+   (*.bts files) it still has mapped. */
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +45,16 @@ static void *worker(void *arg) {
 
 static void *nothing(void *arg) { return arg; }
 
+static volatile sig_atomic_t signals;
+
+static void on_usr1(int sig) { signals++; }
+
+static void *signalled(void *arg) {
+  raise(SIGUSR1);
+  step(0);
+  return arg;
+}
+
 static long rings_mapped_kib(void) {
   FILE *maps = fopen("/proc/self/maps", "r");
   char line[4096];
@@ -64,6 +76,9 @@ int main(int argc, char **argv) {
       pthread_create(&t, NULL, nothing, NULL);
       pthread_join(t, NULL);
     }
+    signal(SIGUSR1, on_usr1);
+    pthread_create(&t, NULL, signalled, NULL);
+    pthread_join(t, NULL);
     printf("rings mapped: %ld KiB\n", rings_mapped_kib());
     return 0;
   }

@@ -525,6 +525,12 @@ class _Recording:
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
         self.released: set[int] = set()
+        #: threads whose writers are done, their rings drained, counted and closed
+        #: (_retire): a program that starts and ends thousands of threads would otherwise
+        #: hold three descriptors each (a ulimit of 1024 stopped tracing at the 335th)
+        self.retired: dict[int, ThreadStats] = {}
+        self.retired_spilled = 0
+        self._retiring = threading.Lock()
         #: threads whose stream file could not be written on (_cannot_write)
         self.unwritable: set[int] = set()
         #: the drain thread died: new threads get no consumer (their writers drop)
@@ -577,7 +583,7 @@ class _Recording:
     def add_thread(self, tid: int, pid: int) -> Path:
         """A ring for thread `tid` of process `pid`, and its drain.  StoreError if an earlier
         thread of the recording had that id: its trace is never replaced."""
-        if tid in self.rings:
+        if tid in self.thread_pid:
             raise StoreError(_REUSED_ID.format(tid))
         path = self.tracedir.ring_path(tid)
         ring = self._take_spare(path, tid) or self._new_ring(path, tid)
@@ -674,7 +680,8 @@ class _Recording:
         """Whether any thread has written to its ring (before `finish`)."""
         with self.lock:
             rings = [ring for ring, _, _ in self.rings.values()]
-        return any(ring.writer_state != WriterState.NONE for ring in rings)
+            retired = bool(self.retired)
+        return retired or any(ring.writer_state != WriterState.NONE for ring in rings)
 
     def _watch_switches(self, tid: int) -> None:
         try:
@@ -768,12 +775,19 @@ class _Recording:
         when = time.time_ns()
         out = self.tracedir.path / SNAPSHOTS / str(len(self.snapshots) + 1)
         out.mkdir(parents=True)
-        with self.lock:
-            rings = [(t, ring) for t, (ring, _, _) in self.rings.items()]
-            pids = dict(self.thread_pid)
-        for t, ring in rings:
-            words, _ = RingReader(ring).read_words(live=True)
-            ring.expand(words).tofile(out / f"T{t}.stream")
+        with self._retiring:  # no ring is closed under this
+            with self.lock:
+                rings: list[tuple[int, Ring | None]] = [
+                    (t, ring) for t, (ring, _, _) in self.rings.items()
+                ]
+                rings += [(t, None) for t in self.retired]
+                pids = dict(self.thread_pid)
+            for t, live_ring in rings:
+                with contextlib.ExitStack() as stack:
+                    # a thread that ended: its ring is only in its file now
+                    ring = live_ring or stack.enter_context(Ring.open(self.tracedir.ring_path(t)))
+                    words, _ = RingReader(ring).read_words(live=True)
+                    ring.expand(words).tofile(out / f"T{t}.stream")
         modules = self.tracedir.path / MODULES
         if modules.exists():
             shutil.copyfile(modules, out / MODULES)
@@ -844,6 +858,16 @@ class _Recording:
                     continue
             ring.release_unused(drained=reader is not None)
             self.released.add(tid)
+            self._retire(tid)
+
+    def _retire(self, tid: int) -> None:
+        with self._retiring:
+            with self.lock:
+                ring, reader, fd = self.rings.pop(tid)
+            stats, spilled = self._close_ring(tid, ring, reader, fd)
+            with self.lock:
+                self.retired[tid] = stats
+                self.retired_spilled += spilled
 
     def _drain_once(self, final: bool) -> int:
         moved = 0
@@ -881,6 +905,41 @@ class _Recording:
             "was lost (counted in lost), the rest is kept"
         )
 
+    def _close_ring(
+        self, tid: int, ring: Ring, reader: RingReader | None, fd: int | None
+    ) -> tuple[ThreadStats, int]:
+        """Count what thread `tid` recorded and close its ring, its consumer and its stream
+        file, the last records drained.  Its stats, and its blocks recorded through a callout
+        once its block table was full."""
+        lost = ring.lost_records
+        spilled = ring._get("table_spilled")
+        if reader is not None:
+            reader.close()
+        if fd is not None:
+            os.close(fd)
+        if reader is None:  # wrap: what the ring holds
+            live = self.thread_pid[tid] in self.orphaned
+            words, _ = RingReader(ring).read_words(live=live)
+            records, gaps = count_records(words, slots=True)
+        elif ring.writer_state == WriterState.CLOSED:  # counted as it was written
+            records, gaps = _agent_counts(ring)
+        else:  # the thread died with its ring open: count what was drained
+            try:
+                records, gaps = count_records(self.tracedir.words(tid)[0])
+            except StoreError as e:
+                records, gaps = _agent_counts(ring)
+                self._error(f"thread {tid}: records not counted exactly: {e}")
+        if tid not in self.released and _writer_done(ring):
+            ring.release_unused(drained=reader is not None)
+        ring.close()
+        stats = ThreadStats(
+            pid=self.thread_pid[tid],
+            records=records,
+            lost=lost,
+            gaps={GapReason(r).name.lower(): n for r, n in gaps.items()},
+        )
+        return stats, spilled
+
     def finish(self) -> dict[int, ThreadStats]:
         """Stop draining, take the last records (recovering past data_head), close."""
         self._done.set()
@@ -888,37 +947,14 @@ class _Recording:
         if self._drainer is not None:
             self._drainer.join()
         self._drain_once(final=True)
-        stats = {}
-        spilled = 0
         with self.lock:
+            spilled = self.retired_spilled
+            closed = {}
             for tid, (ring, reader, fd) in self.rings.items():
-                lost = ring.lost_records
-                spilled += ring._get("table_spilled")
-                if reader is not None:
-                    reader.close()
-                if fd is not None:
-                    os.close(fd)
-                if reader is None:  # wrap: what the ring holds
-                    live = self.thread_pid[tid] in self.orphaned
-                    words, _ = RingReader(ring).read_words(live=live)
-                    records, gaps = count_records(words, slots=True)
-                elif ring.writer_state == WriterState.CLOSED:  # counted as it was written
-                    records, gaps = _agent_counts(ring)
-                else:  # the thread died with its ring open: count what was drained
-                    try:
-                        records, gaps = count_records(self.tracedir.words(tid)[0])
-                    except StoreError as e:
-                        records, gaps = _agent_counts(ring)
-                        self._error(f"thread {tid}: records not counted exactly: {e}")
-                if tid not in self.released and _writer_done(ring):
-                    ring.release_unused(drained=reader is not None)
-                ring.close()
-                stats[tid] = ThreadStats(
-                    pid=self.thread_pid[tid],
-                    records=records,
-                    lost=lost,
-                    gaps={GapReason(r).name.lower(): n for r, n in gaps.items()},
-                )
+                closed[tid], n = self._close_ring(tid, ring, reader, fd)
+                spilled += n
+            # in the order the threads started
+            stats = {tid: self.retired.get(tid) or closed[tid] for tid in self.thread_pid}
             if spilled:
                 self._error(
                     f"{spilled} blocks compiled after a thread's block table was full were "

@@ -114,6 +114,7 @@ typedef struct {
   int forks_passing;     /* threads past that gate and not yet back from fork() */
   int returns_held;      /* bt_on_fork_return(): threads out of a fork() begun before the
                             hook wait there meanwhile, until the host has their rings */
+  int slots_lock;        /* taking or giving back a slot of `threads` (take_slot) */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -245,8 +246,54 @@ void bt_thread_forget(BtThread *t) {
   close(t->w.fd);
 }
 
+/* The agent finds a thread's state by its slot (current_thread, and a forked child lets go
+   of every ring there), so a thread without one would not be traced exactly: a thread that
+   ends gives its slot back (release_ended_thread) for the next one.  A spin lock, as
+   CModule offers no compare-and-swap; it is held for a short scan. */
+static void lock_slots(void) {
+  while (g_atomic_int_add(&STATE->slots_lock, 1) != 0)
+    g_atomic_int_add(&STATE->slots_lock, -1);
+}
+
+static void unlock_slots(void) {
+  g_atomic_int_add(&STATE->slots_lock, -1);
+}
+
+static int take_slot(BtThread *t) {
+  lock_slots();
+  int n = STATE->nthreads, slot = 0;
+  while (slot < n && STATE->threads[slot] != NULL)
+    slot++;
+  if (slot < BT_MAX_THREADS) {
+    STATE->threads[slot] = t;
+    if (slot == n)
+      g_atomic_int_add(&STATE->nthreads, 1);
+  }
+  unlock_slots();
+  return slot < BT_MAX_THREADS;
+}
+
+static void give_back_slot(BtThread *t) {
+  lock_slots();
+  for (int i = 0; i < STATE->nthreads; i++)
+    if (STATE->threads[i] == t)
+      STATE->threads[i] = NULL;
+  unlock_slots();
+}
+
+static int open_ring(BtThread *t, const char *path, uint32_t tid);
+
 /* Map the store at `path` for thread `tid` and take the writer lock.  0, or -errno. */
 int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
+  if (!take_slot(t))
+    return -24; /* EMFILE: more threads at once than slots */
+  int rc = open_ring(t, path, tid);
+  if (rc != 0)
+    give_back_slot(t);
+  return rc;
+}
+
+static int open_ring(BtThread *t, const char *path, uint32_t tid) {
   int fd = open(path, 2 /* O_RDWR */ | 02000000 /* O_CLOEXEC */);
   if (fd < 0)
     return -1;
@@ -308,9 +355,6 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
   t->reserve_size = reserve_size;
   BT_HDR32(&t->w, BT_OFF_TID) = tid;
   refill(t);
-  int slot = g_atomic_int_add(&STATE->nthreads, 1);
-  if (slot < BT_MAX_THREADS)
-    STATE->threads[slot] = t;
   return 0;
 }
 
@@ -374,10 +418,11 @@ void bt_thread_close(BtThread *t) {
 
 static BtThread *current_thread(void) {
   uint32_t tid = (uint32_t)syscall(186 /* gettid */);
-  int n = STATE->nthreads < BT_MAX_THREADS ? STATE->nthreads : BT_MAX_THREADS;
-  for (int i = 0; i < n; i++)
-    if (STATE->threads[i] != NULL && STATE->threads[i]->tid == tid && !STATE->threads[i]->closed)
-      return STATE->threads[i];
+  for (int i = 0; i < STATE->nthreads; i++) {
+    BtThread *t = STATE->threads[i];
+    if (t != NULL && t->tid == tid && !t->closed)
+      return t;
+  }
   return NULL;
 }
 
@@ -418,8 +463,7 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
 
 void bt_on_fork_leave(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0) {
-    int n = STATE->nthreads < BT_MAX_THREADS ? STATE->nthreads : BT_MAX_THREADS;
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < STATE->nthreads; i++)
       if (STATE->threads[i] != NULL)
         bt_thread_forget(STATE->threads[i]);
     return;
@@ -578,6 +622,7 @@ static void release_ended_thread(BtThread *t) {
   }
   t->header32 = NULL;
   t->reserve = NULL;
+  give_back_slot(t);
 }
 
 /* Before every system call instruction: at exit (the thread ends) or exit_group (the

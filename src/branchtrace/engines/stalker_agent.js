@@ -18,6 +18,7 @@ const PARKED = 8 + 8 * 4096 + 16; // BtState.parked: the parked thread's tid (bt
 state.add(PARKED).writeU64(0); // none yet, and it need not return
 state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
 state.add(PARKED + 16).writeU32(0); // no thread held where a fork() returns
+state.add(PARKED + 20).writeU32(0); // the thread slots are free to take
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
