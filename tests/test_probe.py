@@ -354,6 +354,21 @@ def test_trigger_snapshots_end_at_the_triggering_call(tmp_path, programs):
     assert "snapshot taken when thread" in info.stdout and "reached f" in info.stdout
 
 
+def test_a_trigger_snapshot_holds_the_threads_that_ended_before_it(tmp_path, programs):
+    # the recorder has closed an ended thread's ring by then (a quarter of a second later)
+    out = tmp_path / "trace"
+    program = programs["threadend"]
+    r = bt("record", "-o", str(out), "--trigger", "later", "--", str(program), "late")
+    assert r.returncode == 0, r.stderr
+    trace = branchtrace.open(out / "snapshots" / "1")
+    (worker,) = [t for t in trace.threads if t != trace.meta["pid"]]
+    for tid, steps in ((worker, 5), (trace.meta["pid"], 0)):  # main: at the call of later()
+        b = trace.branches(tid)
+        calls = b[b["kind"] == BranchKind.CALL]["to"]
+        names = trace.modules(tid).symbolize(calls)
+        assert names.count("step") == steps, names
+
+
 def test_trigger_needs_wrap_mode_and_a_known_function(programs):
     r = bt("record", "--mode", "stream", "--trigger", "f", "--", str(programs["loop23"]))
     assert r.returncode == 2 and "--trigger snapshots the wrap buffer" in r.stderr

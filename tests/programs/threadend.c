@@ -4,6 +4,7 @@
    calls step() twice and its key destructor 3 times; worker 0 returns, worker 1 calls
    pthread_exit().
    `threadend key-crash`: one worker, whose key destructor faults in its third step().
+   `threadend late`: one worker; 0.6 s after it ended, main calls later().
    `threadend churn N`: N threads one after another, then one more that takes a signal
    (SIGUSR1, with a handler); then the program prints how many KiB of branchtrace's rings
    (*.bts files) it still has mapped. */
@@ -12,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 extern void *__dso_handle;
 int __cxa_thread_atexit_impl(void (*dtor)(void *), void *obj, void *dso_symbol);
@@ -44,6 +46,8 @@ static void *worker(void *arg) {
 }
 
 static void *nothing(void *arg) { return arg; }
+
+__attribute__((noinline)) static void later(void) { step(3); }
 
 static volatile sig_atomic_t signals;
 
@@ -84,11 +88,16 @@ int main(int argc, char **argv) {
   }
   pthread_key_create(&key, on_key_end);
   int crash = argc > 1 && strcmp(argv[1], "key-crash") == 0;
+  int late = argc > 1 && strcmp(argv[1], "late") == 0;
   if (crash)
     faulting_step = 2;
-  for (long i = 1; i <= (crash ? 1 : 2); i++) { /* a non-NULL value, so its destructor runs */
+  for (long i = 1; i <= (crash || late ? 1 : 2); i++) { /* non-NULL: its destructor runs */
     pthread_create(&t, NULL, worker, (void *)i);
     pthread_join(t, NULL);
+  }
+  if (late) {
+    usleep(600000);
+    later();
   }
   puts("done");
   return 0;
