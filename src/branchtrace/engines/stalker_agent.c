@@ -606,8 +606,8 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
 
 /* The process lives on without a thread that ends, which runs nothing more: what was
    mapped and opened for it goes, where a program that starts and ends many threads would
-   otherwise keep every one of them (its ring's 4 KiB state page stays, as the agent still
-   tells its tid and state from it). */
+   otherwise keep every one of them (the 4 KiB page of its BtThread stays: the agent still
+   reads its tid and state there), and its slot is free for the next thread. */
 static void release_ended_thread(BtThread *t) {
   if (t->reserve == NULL)
     return;

@@ -189,6 +189,9 @@ function followNewThread() {
   send({ type: 'thread-start', tid });
   let reply = null;
   recv(`ring:${tid}`, (m) => { reply = m; }).wait();
+  // Stalker frees what it kept for a thread that died followed (they all do: see
+  // followAgain) only when asked to collect; else a program that starts and ends threads
+  // grows by over half a megabyte each (1,000 threads: 780 MB resident, 200 MB with this).
   Stalker.garbageCollect();
   if (reply.path) {
     follow(tid, reply.path);
