@@ -360,21 +360,23 @@ def test_thousands_of_threads_that_ended_leave_no_ring_mapped_and_the_next_is_ex
     # more threads one after another than the agent has slots for threads at once (4096):
     # a thread that ends gives back its slot, and its ring, which the program would
     # otherwise keep mapped; the last thread takes a signal, whose GAP needs its slot.  The
-    # recorder closes the files of a thread that ended, or it would run out of descriptors.
+    # recorder closes the files of a thread that ended (with --sched, its perf event too), or
+    # it would run out of descriptors.
     n = 4200
     threadend = programs["threadend"]
     res = record(
         tmp_path / "d",
+        "--sched",
         "--buffer-size",
         "512K",
         "--",
         str(threadend),
         "churn",
         str(n),
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)),
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512)),
     )
     assert res.returncode == 0, res.stderr
-    assert "not traced" not in res.stderr
+    assert "not traced" not in res.stderr and "no context switches" not in res.stderr
     kib = int(res.stdout.removeprefix("rings mapped: ").removesuffix(" KiB\n"))
     assert 512 <= kib < 2 * 512, kib  # the main thread's ring (and its header page again)
     assert not (tmp_path / "d" / ".spare.bts").exists()  # the ring made ahead is gone
@@ -384,6 +386,7 @@ def test_thousands_of_threads_that_ended_leave_no_ring_mapped_and_the_next_is_ex
     assert len(threads) == n + 2
     (signalled,) = [int(t) for t, stats in threads.items() if stats.get("gaps")]
     assert threads[str(signalled)]["gaps"] == {"signal": 1}
+    assert all(stats["switches"] >= 1 for stats in threads.values())
     assert calls_to(trace, signalled, threadend, "step") == 1
     assert indirect_calls_to(trace, signalled, threadend, "signalled") == 1
     for tid in trace.threads():

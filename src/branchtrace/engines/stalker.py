@@ -527,7 +527,8 @@ class _Recording:
         self.released: set[int] = set()
         #: threads whose writers are done, their rings drained, counted and closed
         #: (_retire): a program that starts and ends thousands of threads would otherwise
-        #: hold three descriptors each (a ulimit of 1024 stopped tracing at the 335th)
+        #: hold three descriptors each, four with --sched (a ulimit of 1024 stopped tracing
+        #: at the 335th)
         self.retired: dict[int, ThreadStats] = {}
         self.retired_spilled = 0
         self._retiring = threading.Lock()
@@ -866,6 +867,10 @@ class _Recording:
                 ring, reader, fd = self.rings.pop(tid)
             stats, spilled = self._close_ring(tid, ring, reader, fd)
             with self.lock:
+                recorder = self.switches.pop(tid, None)
+            if recorder is not None:  # its last switch, out as it died, is in by now
+                stats.switches = self._save_switches(tid, recorder)
+            with self.lock:
                 self.retired[tid] = stats
                 self.retired_spilled += spilled
 
@@ -961,18 +966,22 @@ class _Recording:
                     "recorded through a slower path (a larger --buffer-size has a larger table)"
                 )
             for tid, recorder in self.switches.items():
-                recorder.close()
-                switches = recorder.switches()
-                try:
-                    np.save(self.tracedir.sched_path(tid), switches)
-                except OSError as e:
-                    self.tracedir.sched_path(tid).unlink(missing_ok=True)
-                    self._error(f"thread {tid}: its context switches not saved: {e.strerror}")
-                    continue
-                stats[tid].switches = int(switches.size)
-                if recorder.lost:
-                    self._error(f"thread {tid}: {recorder.lost} context switches lost")
+                stats[tid].switches = self._save_switches(tid, recorder)
         return stats
+
+    def _save_switches(self, tid: int, recorder: SwitchRecorder) -> int:
+        """Close thread `tid`'s context switch recorder and save what it took; how many."""
+        recorder.close()
+        switches = recorder.switches()
+        try:
+            np.save(self.tracedir.sched_path(tid), switches)
+        except OSError as e:
+            self.tracedir.sched_path(tid).unlink(missing_ok=True)
+            self._error(f"thread {tid}: its context switches not saved: {e.strerror}")
+            return 0
+        if recorder.lost:
+            self._error(f"thread {tid}: {recorder.lost} context switches lost")
+        return int(switches.size)
 
 
 class _ForkFollower:
