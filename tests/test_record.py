@@ -1033,9 +1033,26 @@ def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
     res = record(tmp_path / "d", "--", "/bin/sh", "-c", 'exec /bin/sh -c "echo replaced; exit 3"')
     assert res.returncode == 3 and res.stdout.strip() == "replaced"
     assert "called exec: the new program image was not traced" in res.stderr
+    assert "ends early" not in res.stderr
     assert "exited with status 3" in res.stderr
     trace = TraceDir.open(tmp_path / "d")
     assert trace.meta()["exit_code"] == 3
+
+
+@pytest.mark.parametrize("follow_fork", [False, True])
+def test_a_posix_spawn_child_calling_exec_ends_no_trace_silently(tmp_path, programs, follow_fork):
+    # the child shares the program's memory until its exec; under Frida's child gating
+    # (--follow-fork) that exec unloads the agent from the program itself
+    spawn = programs["spawn"]
+    res = record(tmp_path / "d", *(["--follow-fork"] if follow_fork else []), "--", str(spawn))
+    assert res.returncode == 0 and res.stdout == "child 0 sum 6\n", res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    pid = trace.meta()["pid"]
+    if follow_fork:
+        assert f"the trace of pid {pid} ends early" in res.stderr
+    else:
+        assert "ends early" not in res.stderr
+        assert calls_to(trace, pid, spawn, "after") == 3
 
 
 def test_the_exit_watcher_knows_of_an_exec_once_it_has_the_exit_status():

@@ -500,8 +500,14 @@ rpc.exports = {
   // program's code, and a crash there is one to debug: the threads stay followed, each
   // ring closed at its thread's exit system call or left open by a kill, read as after a
   // crash (on_exit_syscall in stalker_agent.c).
+  // With --follow-fork, Frida also calls it with 'exec' in this process when a child started
+  // by posix_spawn() or vfork(), which shares this memory, calls exec: the script goes all
+  // the same, so it stops here too, and the host says so unless this process did exec.
   dispose(reason) {
     if (inTracedProcess() && reason !== 'exit') {
+      if (reason === 'exec') {
+        note({ type: 'unloaded', reason });
+      }
       finish();
     }
   },
