@@ -1190,6 +1190,28 @@ static uint64_t *new_spilled(BtThread *t) {
   return e;
 }
 
+/* Before a syscall instruction: the callout that closes the ring, only for exit and
+   exit_group.  A callout for every system call cost 115 ns each (3M getppid(): 0.5 s
+   native, traced 0.85 s with it); rcx is free here, as the syscall overwrites it, so the
+   test is flag-free:
+     lea rcx, [rax-60]; jrcxz exit; lea rcx, [rax-231]; jrcxz exit; jmp go
+     exit: callout
+     go:   syscall
+   `label` is any address unique to this block. */
+static void put_exit_check(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                           gconstpointer label) {
+  static const uint8_t check[] = {
+      0x48, 0x8d, 0x48, 0xc4,                   /* lea rcx, [rax-60] */
+      0xe3, 0x0e,                               /* jrcxz exit (over 14 bytes) */
+      0x48, 0x8d, 0x88, 0x19, 0xff, 0xff, 0xff, /* lea rcx, [rax-231] */
+      0xe3, 0x05,                               /* jrcxz exit (over the jmp) */
+  };
+  put_bytes(cw, check, sizeof check);
+  gum_x86_writer_put_jmp_near_label(cw, label);
+  gum_stalker_iterator_put_callout(iterator, on_exit_syscall, t, NULL);
+  gum_x86_writer_put_label(cw, label);
+}
+
 void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data) {
   BtThread *t = user_data;
   GumX86Writer *cw = output->writer.x86;
@@ -1240,7 +1262,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     first = 0;
     last = insn->address;
     if (insn->id == X86_INS_SYSCALL)
-      gum_stalker_iterator_put_callout(iterator, on_exit_syscall, t, NULL);
+      put_exit_check(iterator, cw, t, (gconstpointer)insn->address);
     gum_stalker_iterator_keep(iterator);
   }
   if (tail_slow)
