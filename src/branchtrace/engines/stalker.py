@@ -603,8 +603,7 @@ class _Recording:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
                 stream_fd = os.open(stream, flags, 0o644)
             except OSError as e:  # a full disk: no ring either, the thread is not traced
-                ring.close()
-                path.unlink()
+                _discard(ring)
                 raise StoreError(f"cannot create {stream}: {e.strerror}") from None
         with self.lock:
             self.rings[tid] = (ring, reader, stream_fd)

@@ -625,17 +625,17 @@ static void release_ended_thread(BtThread *t) {
   give_back_slot(t);
 }
 
-/* Before every system call instruction: at exit (the thread ends) or exit_group (the
-   process does), nothing but the kernel runs after it, and the ring is closed, so that it
-   ends like the ring of a thread that ended, its records counted as written.  The other
-   threads that exit_group kills where they are leave their rings open, read as after a
-   crash. */
+/* Before a system call instruction, when it is exit (the thread ends) or exit_group (the
+   process does): see put_exit_check.  Nothing but the kernel runs after it, and the ring is
+   closed, so that it ends like the ring of a thread that ended, its records counted as
+   written.  The other threads that exit_group kills where they are leave their rings open,
+   read as after a crash. */
 static void on_exit_syscall(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
-  if ((cpu->rax != 60 /* exit */ && cpu->rax != 231 /* exit_group */) || in_forked_child())
+  if (in_forked_child())
     return;
   bt_thread_close(t);
-  if (cpu->rax == 60)
+  if (cpu->rax == 60 /* exit */)
     release_ended_thread(t);
 }
 
