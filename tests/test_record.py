@@ -1039,20 +1039,63 @@ def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
     assert trace.meta()["exit_code"] == 3
 
 
-@pytest.mark.parametrize("follow_fork", [False, True])
-def test_a_posix_spawn_child_calling_exec_ends_no_trace_silently(tmp_path, programs, follow_fork):
-    # the child shares the program's memory until its exec; under Frida's child gating
-    # (--follow-fork) that exec unloads the agent from the program itself
+@pytest.mark.parametrize("follow_fork", [False, True], ids=["", "follow-fork"])
+@pytest.mark.parametrize("how", ["posix_spawn", "system", "popen", "vfork", "failexec"])
+def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(
+    tmp_path, programs, how, follow_fork
+):
+    # Under Frida's child gating (--follow-fork) every execve() first calls the agent's
+    # dispose('exec'): that of a child sharing the program's memory (posix_spawn(), system(),
+    # popen()) and one that fails, after which the program runs on.  Stopping there ended
+    # the program's trace at that point, the ring closed, with no warning but the one exec.
     spawn = programs["spawn"]
-    res = record(tmp_path / "d", *(["--follow-fork"] if follow_fork else []), "--", str(spawn))
-    assert res.returncode == 0 and res.stdout == "child 0 sum 6\n", res.stderr
+    res = record(tmp_path / "d", *(["--follow-fork"] if follow_fork else []), "--", str(spawn), how)
+    status = 3 if how in ("system", "popen") else 0
+    assert res.returncode == 0 and res.stdout == f"child {status} sum 6\n", res.stderr
+    assert "warning" not in res.stderr, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    meta = trace.meta()
+    pid = meta["pid"]
+    assert calls_to(trace, pid, spawn, "after") == 3
+    assert calls_to(trace, pid, spawn, "in_child") == 0
+    with Ring.open(trace.ring_path(pid)) as ring:
+        assert ring.writer_state == WriterState.CLOSED
+    children = [tid for tid in trace.threads() if trace.thread_pid(tid) != pid]
+    if how == "vfork" and follow_fork:
+        # Frida's child gating makes the vfork() a fork(): the child is traced to its exec
+        [child] = children
+        assert calls_to(trace, child, spawn, "in_child") == 5
+        assert calls_to(trace, child, spawn, "after") == 0
+    else:
+        assert children == []
+    assert_counts_are_the_records(trace)
+
+
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_the_tool_killed_after_a_childs_exec_leaves_the_program_running(tmp_path, programs, mode):
+    # after a child's exec Frida never calls the agent's dispose() again, so a recorder that
+    # goes away leaves the agent's end to Frida: the program must run on all the same
+    n = 20_000_000
+    options = ["--mode", mode, "--buffer-size", "512K", "--follow-fork", "-o", tmp_path / "d"]
+    tool = subprocess.Popen(
+        [*BT, "record", *map(str, options), "--", str(programs["spawn"]), "posix_spawn", str(n)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert tool.stdout.readline() == "spawned\n"
+    time.sleep(0.3)
+    tool.send_signal(signal.SIGKILL)
+    tool.wait()
+    rest = tool.stdout.read()
+    tool.stdout.close()
+    tool.stderr.close()
+    assert rest == f"child 0 sum {6 + n}\n"
     trace = TraceDir.open(tmp_path / "d")
     pid = trace.meta()["pid"]
-    if follow_fork:
-        assert f"the trace of pid {pid} ends early" in res.stderr
-    else:
-        assert "ends early" not in res.stderr
-        assert calls_to(trace, pid, spawn, "after") == 3
+    assert calls_to(trace, pid, programs["spawn"], "after") > 3
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert info.returncode == 0 and ".spare" not in info.stdout, info.stdout + info.stderr
 
 
 def test_the_exit_watcher_knows_of_an_exec_once_it_has_the_exit_status():

@@ -20,7 +20,8 @@ from ..store.tracedir import META, TraceDir
 
 def find_stores(path: Path) -> list[Path]:
     if path.is_dir():
-        stores = sorted(path.glob("*.bts"))
+        # not a hidden one: the ring a killed recorder had made ahead for a next thread
+        stores = sorted(p for p in path.glob("*.bts") if not p.name.startswith("."))
         if not stores and (path / META).is_file() and any(path.glob("T*.stream*")):
             return []  # a trigger snapshot: streams only, counted from meta below
         if not stores:

@@ -532,11 +532,6 @@ class _Recording:
         self.retired: dict[int, ThreadStats] = {}
         self.retired_spilled = 0
         self._retiring = threading.Lock()
-        #: processes whose agent Frida unloaded as some process exec'd (read_notes), and
-        #: those that did exec: a process in the first set only lost its agent to the exec
-        #: of a child started with posix_spawn() or vfork() (_unloaded_warning)
-        self.unloaded_at_exec: set[int] = set()
-        self.execd: set[int] = set()
         #: threads whose stream file could not be written on (_cannot_write)
         self.unwritable: set[int] = set()
         #: the drain thread died: new threads get no consumer (their writers drop)
@@ -762,8 +757,6 @@ class _Recording:
                     self.inline_cache = int(event["entries"])
                 elif event.get("type") == "traced-from":
                     self.traced_from = str(event["at"])
-                elif event.get("type") == "unloaded" and event.get("reason") == "exec":
-                    self.unloaded_at_exec.add(pid)
                 elif event.get("type") == "thread-untraced":
                     self.untraced_threads.append(
                         {"pid": pid, "tid": int(event["tid"]), "start": event["routine"]}
@@ -1054,9 +1047,10 @@ class _ForkFollower:
         pid = int(child.pid)
         reused = pid in self.children or pid in self.killed
         if child.origin != "fork" or reused:
-            # an exec'ed or spawned image, not a fork of our program; or a child given an
-            # earlier child's id (ids wrap at pid_max), whose trace and ending are kept
-            if reused:
+            # an exec'ed or spawned image, not a fork of our program (a traced child that
+            # calls exec is reported again, under its id); or a child given an earlier
+            # child's id (ids wrap at pid_max), whose trace and ending are kept
+            if reused and child.origin == "fork":
                 self.rec._error(
                     f"forked child {pid} of pid {child.parent_pid} is not traced: "
                     + _REUSED_ID.format(pid)
@@ -1085,8 +1079,6 @@ class _ForkFollower:
 
     def _on_detached(self, pid: int, reason: str) -> None:
         ours = reason == "application-requested" and pid in self._let_go_of
-        if reason == "process-replaced":
-            self.rec.execd.add(pid)
         if not ours and reason not in ("process-terminated", "process-replaced") and _running(pid):
             self.dropped[pid] = reason
             self.rec.orphaned.add(pid)  # its last records are read from the live rings
@@ -1321,7 +1313,6 @@ class StalkerEngine:
                 if not traced:
                     tracedir.remove()
         rec.read_notes()
-        result.warnings += [_unloaded_warning(p) for p in sorted(rec.unloaded_at_exec - rec.execd)]
         result.warnings += rec.errors
         result.warnings += _children_faulted_before_their_code(tracedir, result)
         result.snapshots = list(rec.snapshots)
@@ -1430,7 +1421,6 @@ class StalkerEngine:
         # once it has the exit status it knows of any exec
         wait_status = watcher.status(pid, timeout=2) if watcher.available else None
         watcher.close()
-        rec.execd |= watcher.execs | ({pid} if replaced.is_set() else set())
         if replaced.is_set() or pid in watcher.execs:
             result.warnings.append(_exec_warning(argv[0]))
         if wait_status is not None:
@@ -1631,7 +1621,6 @@ class StalkerEngine:
         at_risk = under_frida.settle(timeout=0.2 if agent_stays or agent.frozen else 2.0)
         result.warnings += _forks_under_frida_warnings(pid, under_frida, at_risk)
         result.threads = rec.finish()
-        rec.execd |= watcher.execs
         return result
 
     @staticmethod
@@ -1645,7 +1634,6 @@ class StalkerEngine:
         status = None if running else watcher.status(pid, timeout=2)
         called_exec = reason == "process-replaced" or pid in watcher.execs
         if called_exec:
-            rec.execd.add(pid)
             result.warnings.append(_exec_warning(f"pid {pid}"))
         if status is not None:
             result.exit_code, result.signal = describe(status)
@@ -1699,15 +1687,6 @@ def _ran_blocks(tracedir: TraceDir, tid: int) -> bool:
         return bool((parse_words(words, pos)["type"] == RecordType.BLOCK).any())
     except StoreError:
         return True  # not known: not claimed
-
-
-def _unloaded_warning(pid: int) -> str:
-    return (
-        f"the trace of pid {pid} ends early: Frida unloaded the agent from it when a child it "
-        "started with posix_spawn(), system() or vfork() called exec (with --follow-fork, "
-        "Frida takes that exec for the program's own), and the program ran on untraced; "
-        "record without --follow-fork to trace it through"
-    )
 
 
 def _exec_warning(what: str) -> str:

@@ -500,14 +500,16 @@ rpc.exports = {
   // program's code, and a crash there is one to debug: the threads stay followed, each
   // ring closed at its thread's exit system call or left open by a kill, read as after a
   // crash (on_exit_syscall in stalker_agent.c).
-  // With --follow-fork, Frida also calls it with 'exec' in this process when a child started
-  // by posix_spawn() or vfork(), which shares this memory, calls exec: the script goes all
-  // the same, so it stops here too, and the host says so unless this process did exec.
+  // Under child gating (--follow-fork) Frida calls it with 'exec' before any execve() it
+  // sees, without unloading the script: also one that fails, after which the program runs
+  // on, and one made by a posix_spawn(), system() or popen() child, which shares this
+  // memory until its exec, and whose parent runs on (stopping here ended the program's
+  // trace there).  The program's own exec ends its image and so its trace, the rings read
+  // as after any exec.  Frida calls this once only: after such an exec, a host that goes
+  // away leaves the unload to Frida, which lets go of the threads (the program runs on,
+  // its rings in the trace directory).
   dispose(reason) {
-    if (inTracedProcess() && reason !== 'exit') {
-      if (reason === 'exec') {
-        note({ type: 'unloaded', reason });
-      }
+    if (inTracedProcess() && reason !== 'exit' && reason !== 'exec') {
       finish();
     }
   },
