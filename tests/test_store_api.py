@@ -38,7 +38,14 @@ from branchtrace.store import (
     record_words,
 )
 from branchtrace.store.format import HEADER_SIZE, c_definitions, meta_entry
-from branchtrace.store.tracedir import TraceDir
+from branchtrace.store.tracedir import (
+    GENERATION,
+    TraceDir,
+    parse_thread_label,
+    thread_id,
+    thread_key,
+    thread_label,
+)
 
 
 @pytest.fixture
@@ -456,3 +463,25 @@ def test_module_lines_are_written_whole_or_not_at_all(tmp_path):
     assert 0 < int(written) < 100
     trace = TraceDir.open(tmp_path / "d")
     assert [m.base >> 12 for m in trace.modules()] == list(range(int(written)))
+
+
+@given(st.integers(1, (1 << 22) - 1), st.integers(0, 1000))
+def test_a_thread_key_names_its_id_and_how_many_threads_had_it_before(tid, earlier):
+    key = thread_key(tid, earlier)
+    assert thread_id(key) == tid and key // GENERATION == earlier
+    label = thread_label(key)
+    assert label == (str(tid) if earlier == 0 else f"{tid}#{earlier + 1}")
+    assert parse_thread_label(label) == key
+
+
+@pytest.mark.parametrize("text", ["", "x", "12#", "12#0", "12#-1", "#2", "0", "-5", "1#2#3"])
+def test_what_is_not_a_thread_label_is_refused(text):
+    with pytest.raises(ValueError):
+        parse_thread_label(text)
+
+
+def test_the_threads_of_a_directory_are_their_keys_in_order(tmp_path):
+    for name in ["T300#2.bts", "T56.bts", "T300.stream.lz4", "T1000.bts", "T300#2.stream.lz4"]:
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "Tnotes.bts").write_bytes(b"")
+    assert TraceDir(tmp_path).threads() == [56, 300, 1000, thread_key(300, 1)]

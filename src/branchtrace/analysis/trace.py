@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..store.tracedir import TraceDir
+from ..store.tracedir import TraceDir, thread_label
 from ..symbols import ModuleMap
 from .decode import Blocks, branches_of, scan
 from .kernels import HOW_CALL, HOW_TAIL, call_segments
@@ -155,12 +155,13 @@ class Trace:
         return CallHistory(tid, seg, names, modules.function_modules, mid_stack=lowest < 0)
 
     def stats(self, tids: list[int] | None = None) -> dict[str, Any]:
-        """Calls per function: overall, and per thread (of `tids`, default all)."""
+        """Calls per function: overall, and per thread (of `tids`, default all; by
+        thread_label: "id#2" for the second thread with an id)."""
         overall: dict[str, int] = {}
         threads: dict[str, dict[str, int]] = {}
         for tid in self.threads if tids is None else tids:
             counts = self.calls(tid).call_counts()
-            threads[str(tid)] = counts
+            threads[thread_label(tid)] = counts
             for name, n in counts.items():
                 overall[name] = overall.get(name, 0) + n
         functions = dict(sorted(overall.items(), key=lambda kv: (-kv[1], kv[0])))

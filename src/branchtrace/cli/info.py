@@ -15,13 +15,15 @@ from ..errors import StoreError
 from ..store import Ring, RingReader, recovered_head
 from ..store.format import WriterState
 from ..store.records import count_records
-from ..store.tracedir import META, TraceDir
+from ..store.tracedir import META, TraceDir, parse_thread_label, thread_label
 
 
 def find_stores(path: Path) -> list[Path]:
     if path.is_dir():
         # not a hidden one: the ring a killed recorder had made ahead for a next thread
-        stores = sorted(p for p in path.glob("*.bts") if not p.name.startswith("."))
+        stores = sorted(
+            (p for p in path.glob("*.bts") if not p.name.startswith(".")), key=_store_order
+        )
         if not stores and (path / META).is_file() and any(path.glob("T*.stream*")):
             return []  # a trigger snapshot: streams only, counted from meta below
         if not stores:
@@ -49,6 +51,7 @@ def summarize(path: Path) -> dict[str, Any]:
         return {
             "path": str(path),
             "tid": int(h["tid"]),
+            "thread": _thread_of(path, int(h["tid"])),
             "mode": ring.mode.name.lower(),
             "ring_bytes": ring.data_size,
             "records": int(records.size),
@@ -69,6 +72,24 @@ def summarize(path: Path) -> dict[str, Any]:
         }
 
 
+def _store_order(store: Path) -> tuple[int, str]:
+    """A recording's stores in the order of their threads' keys (T56 before T100)."""
+    try:
+        return parse_thread_label(store.name[1:].split(".")[0]), ""
+    except ValueError:
+        return -1, store.name
+
+
+def _thread_of(store: Path, tid: int) -> str:
+    """The thread a store is of, as views name it: in a recording its name says so
+    (T<id>.bts, T<id>#2.bts; tracedir.thread_label), else the id its header holds."""
+    name = store.name[1:].split(".")[0]
+    try:
+        return thread_label(parse_thread_label(name)) if store.name.startswith("T") else str(tid)
+    except ValueError:
+        return str(tid)
+
+
 def _human(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB"):
@@ -85,7 +106,7 @@ def recording_summary(path: Path) -> dict[str, Any]:
     threads = {}
     for tid in trace.threads():
         words, _ = trace.words(tid)
-        threads[str(tid)] = count_records(words)[0]
+        threads[thread_label(tid)] = count_records(words)[0]
     meta["records_per_thread"] = threads
     loads = [m for m in trace.modules(meta.get("pid")) if m.event == "load"]
     meta["modules"] = len(loads)
@@ -146,7 +167,8 @@ def info(path: Path, as_json: bool) -> None:
         shot = meta.get("snapshot")
         if shot:
             out.print(
-                f"snapshot taken when thread {shot['tid']} reached {shot['trigger']}",
+                f"snapshot taken when thread {thread_label(int(shot['tid']))} reached "
+                f"{shot['trigger']}",
                 markup=False,
             )
         total = sum(meta["records_per_thread"].values())
@@ -210,12 +232,12 @@ def info(path: Path, as_json: bool) -> None:
             writer += f", {r['recovered_bytes']} bytes recovered past its head"
         table.add_row(
             Path(str(r["path"])).name,
-            str(r["tid"] or "-"),
+            str(r["thread"] if r["tid"] else "-"),
             str(r["mode"]),
             _human(int(r["ring_bytes"])),
-            f"{per_thread.get(str(r['tid']), r['records']):,}",
+            f"{per_thread.get(str(r['thread']), r['records']):,}",
             f"{r['lost']:,}",
-            *([f"{switches.get(str(r['tid']), 0):,}"] if show_switches else []),
+            *([f"{switches.get(str(r['thread']), 0):,}"] if show_switches else []),
             writer,
         )
     out.print(table)

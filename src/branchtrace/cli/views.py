@@ -23,6 +23,7 @@ from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL, within
 from ..analysis.trace import HOW_NAMES
 from ..errors import UsageError
 from ..store import BranchKind
+from ..store.tracedir import parse_thread_label, thread_id, thread_label
 
 out = Console(highlight=False, soft_wrap=True)
 
@@ -42,7 +43,28 @@ def _print_whole(table: Table) -> None:
 path_argument = click.argument(
     "path", type=click.Path(path_type=Path), default="branchtrace.data", required=False
 )
-tid_option = click.option("--tid", type=int, help="only this thread (default: every thread)")
+
+
+class _ThreadLabel(click.ParamType):
+    """A thread as views name it: its id, or "id#2" for the second thread of the recording
+    with that id (the kernel reuses ids; tracedir.thread_label)."""
+
+    name = "TID"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_thread_label(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a thread id (N, or N#2 for the second thread with id N)")
+
+
+tid_option = click.option(
+    "--tid",
+    type=_ThreadLabel(),
+    help="only this thread (default: every thread); N#2: the second thread with id N",
+)
 json_option = click.option("--json", "as_json", is_flag=True, help="JSON Lines, for scripts")
 
 
@@ -50,8 +72,13 @@ def _threads(trace: Trace, tid: int | None) -> list[int]:
     if tid is None:
         return trace.threads
     if tid not in trace.threads:
-        known = ", ".join(map(str, trace.threads)) or "none"
-        raise UsageError(f"thread {tid} is not in {trace.path}", hint=f"threads recorded: {known}")
+        labels = [thread_label(t) for t in trace.threads]
+        known = ", ".join(labels[:20]) or "none"
+        if len(labels) > 20:
+            known += f", ... ({len(labels)} in all: branchtrace info {trace.path} lists them)"
+        raise UsageError(
+            f"thread {thread_label(tid)} is not in {trace.path}", hint=f"threads recorded: {known}"
+        )
     return [tid]
 
 
@@ -69,7 +96,7 @@ def _where(sym: str, line: str) -> str:
 def _heading(trace: Trace, tid: int, what: str) -> None:
     pid = trace.pid_of(tid)
     process = f", process {pid}" if pid != tid else ""
-    out.print(f"[bold]thread {tid}{process}[/bold]: {what}")
+    out.print(f"[bold]thread {thread_label(tid)}{process}[/bold]: {what}")
 
 
 # -- show ------------------------------------------------------------------------------------
@@ -92,7 +119,8 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
             for i, b in enumerate(tail):
                 row = {
                     "index": i,
-                    "tid": t,
+                    "tid": thread_id(t),
+                    "thread": thread_label(t),
                     "from": int(b["from"]),
                     "to": int(b["to"]),
                     "kind": _kind_name(int(b["kind"])),
@@ -158,7 +186,8 @@ def calls(
                 click.echo(
                     json.dumps(
                         {
-                            "tid": t,
+                            "tid": thread_id(t),
+                            "thread": thread_label(t),
                             "index": i,
                             "depth": int(s["depth"]),
                             "function": label,
@@ -255,7 +284,8 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
                 click.echo(
                     json.dumps(
                         {
-                            "tid": t,
+                            "tid": thread_id(t),
+                            "thread": thread_label(t),
                             "address": address,
                             "sym": sym,
                             "line": line or None,
@@ -309,15 +339,16 @@ def stats(path: Path, top: int, tid: int | None, as_json: bool) -> None:
     # a column per thread while they fit beside the names, which are never cut short
     columns = threads if len(threads) > 1 else []
     widest = max((len(f"{n:,}") + 1 + len(name) for name, n in rows), default=0)
-    if widest + sum(len(f" T{t}") for t in columns) > out.width:
+    if widest + sum(len(f" T{thread_label(t)}") for t in columns) > out.width:
         columns = []
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("calls", justify="right", no_wrap=True)
     for t in columns:
-        table.add_column(f"T{t}", justify="right", no_wrap=True)
+        table.add_column(f"T{thread_label(t)}", justify="right", no_wrap=True)
     table.add_column("function", no_wrap=True, overflow="ignore")
     for name, n in rows:
-        table.add_row(f"{n:,}", *(f"{per_thread[str(t)].get(name, 0):,}" for t in columns), name)
+        per = (per_thread[thread_label(t)].get(name, 0) for t in columns)
+        table.add_row(f"{n:,}", *(f"{k:,}" for k in per), name)
     _print_whole(table)
     if top and len(functions) > top:
         out.print(f"[dim]... {len(functions) - top} more functions (-n 0 lists all)[/dim]")

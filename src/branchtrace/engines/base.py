@@ -13,6 +13,7 @@ from elftools.elf.dynamic import DynamicSegment
 from elftools.elf.elffile import ELFFile
 
 from ..store import Mode
+from ..store.tracedir import thread_label
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def finish_meta(
             "processes": {str(p): e for p, e in result.processes.items()},
             "untraced_threads": untraced_threads,
             "warnings": result.warnings,
-            "threads": {str(t): s.__dict__ for t, s in result.threads.items()},
+            "threads": {thread_label(t): s.__dict__ for t, s in result.threads.items()},
         }
     )
 

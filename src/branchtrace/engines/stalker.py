@@ -42,7 +42,17 @@ from ..errors import (
 from ..store import Flags, Mode, Ring, RingReader
 from ..store.format import GapReason, RecordType, WriterState, c_writer_source
 from ..store.records import count_records, parse_words
-from ..store.tracedir import META, MODULES, SNAPSHOTS, ModuleEvent, TraceDir, drain_to_file
+from ..store.tracedir import (
+    META,
+    MODULES,
+    SNAPSHOTS,
+    ModuleEvent,
+    TraceDir,
+    drain_to_file,
+    thread_id,
+    thread_key,
+    thread_label,
+)
 from .base import (
     Events,
     RecordOptions,
@@ -507,9 +517,12 @@ class _Recording:
     def __init__(self, tracedir: TraceDir, options: RecordOptions) -> None:
         self.tracedir = tracedir
         self.options = options
+        #: all by thread key (tracedir.thread_key)
         self.rings: dict[int, tuple[Ring, RingReader | None, int | None]] = {}
         self.switches: dict[int, SwitchRecorder] = {}
         self.thread_pid: dict[int, int] = {}  #: the process of each traced thread
+        self.ids_seen: dict[int, int] = {}  #: how many traced threads had each id
+        self.live_key: dict[int, int] = {}  #: the key of the last thread with each id
         #: processes that run on after Frida dropped their session: their threads' last
         #: records are taken from the live rings (recovered_head)
         self.orphaned: set[int] = set()
@@ -582,18 +595,21 @@ class _Recording:
         return agent
 
     def add_thread(self, tid: int, pid: int) -> Path:
-        """A ring for thread `tid` of process `pid`, and its drain.  StoreError if an earlier
-        thread of the recording had that id: its trace is never replaced."""
-        if tid in self.thread_pid:
-            raise StoreError(_REUSED_ID.format(tid))
-        path = self.tracedir.ring_path(tid)
+        """A ring for thread `tid` of process `pid`, and its drain.  A thread that got the
+        id of an earlier thread of the recording (ids wrap at pid_max) is stored under a key
+        of its own (tracedir.thread_key): the earlier one's trace is never replaced."""
+        with self.lock:
+            earlier = self.ids_seen.get(tid, 0)
+            self.ids_seen[tid] = earlier + 1
+        key = thread_key(tid, earlier)
+        path = self.tracedir.ring_path(key)
         ring = self._take_spare(path, tid) or self._new_ring(path, tid)
         self._want_a_spare()
         reader = stream_fd = None
         if self.options.mode != Mode.WRAP and not self.drain_failed:
             # the consumer exists before the writer: a full ring always has someone to wait for
             reader = RingReader(ring, consume=True)
-            stream = self.tracedir.stream_path(tid, packed=self.options.compress)
+            stream = self.tracedir.stream_path(key, packed=self.options.compress)
             try:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
                 stream_fd = os.open(stream, flags, 0o644)
@@ -601,10 +617,11 @@ class _Recording:
                 _discard(ring)
                 raise StoreError(f"cannot create {stream}: {e.strerror}") from None
         with self.lock:
-            self.rings[tid] = (ring, reader, stream_fd)
-            self.thread_pid[tid] = pid
+            self.rings[key] = (ring, reader, stream_fd)
+            self.thread_pid[key] = pid
+            self.live_key[tid] = key
         if self.options.sched:
-            self._watch_switches(tid)
+            self._watch_switches(key)
         return path
 
     def _new_ring(self, path: Path, tid: int) -> Ring:
@@ -683,17 +700,17 @@ class _Recording:
             retired = bool(self.retired)
         return retired or any(ring.writer_state != WriterState.NONE for ring in rings)
 
-    def _watch_switches(self, tid: int) -> None:
+    def _watch_switches(self, key: int) -> None:
         try:
-            recorder = SwitchRecorder(tid)
+            recorder = SwitchRecorder(thread_id(key))
         except OSError as e:
             self._error(
-                f"no context switches for thread {tid}: perf_event_open failed "
+                f"no context switches for thread {thread_label(key)}: perf_event_open failed "
                 f"({e.strerror}); recording continues without them"
             )
             return
         with self.lock:
-            self.switches[tid] = recorder
+            self.switches[key] = recorder
 
     def on_message(self, agent: _Agent, message: Any) -> None:
         if message.get("type") == "error":
@@ -734,7 +751,8 @@ class _Recording:
         elif kind == "trigger":
             tid = int(payload["tid"])
             try:
-                self.snapshot(self.options.triggers[int(payload["index"])].label, tid, agent.pid)
+                trigger = self.options.triggers[int(payload["index"])].label
+                self.snapshot(trigger, self.live_key.get(tid, tid), agent.pid)
             finally:
                 agent.script.post({"type": f"snapshot:{tid}"})
         elif kind == "error":
@@ -787,7 +805,7 @@ class _Recording:
                     # a thread that ended: its ring is only in its file now
                     ring = live_ring or stack.enter_context(Ring.open(self.tracedir.ring_path(t)))
                     words, _ = RingReader(ring).read_words(live=True)
-                    ring.expand(words).tofile(out / f"T{t}.stream")
+                    ring.expand(words).tofile(TraceDir(out).stream_path(t))
         modules = self.tracedir.path / MODULES
         if modules.exists():
             shutil.copyfile(modules, out / MODULES)
@@ -795,7 +813,7 @@ class _Recording:
         meta.update(
             {
                 "snapshot": {"trigger": label, "tid": tid, "pid": pid, "time_ns": when},
-                "threads": {str(t): {"pid": pids.get(t, pid)} for t, _ in rings},
+                "threads": {thread_label(t): {"pid": pids.get(t, pid)} for t, _ in rings},
             }
         )
         TraceDir(out).write_meta(meta)
@@ -904,8 +922,9 @@ class _Recording:
         self.unwritable.add(tid)
         reader.close()  # the writer finds its consumer gone and drops from then on
         self._error(
-            f"thread {tid}: its stream could not be written on ({error.strerror}) after "
-            f"{os.fstat(fd).st_size:,} bytes: what it recorded after its ring filled up "
+            f"thread {thread_label(tid)}: its stream could not be written on "
+            f"({error.strerror}) after {os.fstat(fd).st_size:,} bytes: what it recorded after "
+            "its ring filled up "
             "was lost (counted in lost), the rest is kept"
         )
 
@@ -932,7 +951,7 @@ class _Recording:
                 records, gaps = count_records(self.tracedir.words(tid)[0])
             except StoreError as e:
                 records, gaps = _agent_counts(ring)
-                self._error(f"thread {tid}: records not counted exactly: {e}")
+                self._error(f"thread {thread_label(tid)}: records not counted exactly: {e}")
         if tid not in self.released and _writer_done(ring):
             ring.release_unused(drained=reader is not None)
         ring.close()
@@ -976,10 +995,10 @@ class _Recording:
             np.save(self.tracedir.sched_path(tid), switches)
         except OSError as e:
             self.tracedir.sched_path(tid).unlink(missing_ok=True)
-            self._error(f"thread {tid}: its context switches not saved: {e.strerror}")
+            self._error(f"thread {thread_label(tid)}: its context switches not saved: {e.strerror}")
             return 0
         if recorder.lost:
-            self._error(f"thread {tid}: {recorder.lost} context switches lost")
+            self._error(f"thread {thread_label(tid)}: {recorder.lost} context switches lost")
         return int(switches.size)
 
 

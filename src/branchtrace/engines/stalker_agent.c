@@ -259,11 +259,18 @@ static void unlock_slots(void) {
   g_atomic_int_add(&STATE->slots_lock, -1);
 }
 
-static int take_slot(BtThread *t) {
+static int take_slot(BtThread *t, uint32_t tid) {
   lock_slots();
-  int n = STATE->nthreads, slot = 0;
-  while (slot < n && STATE->threads[slot] != NULL)
-    slot++;
+  int n = STATE->nthreads, slot = n;
+  for (int i = 0; i < n; i++) {
+    BtThread *other = STATE->threads[i];
+    /* a thread with this id ended unseen (the kernel gives a new thread only the id of an
+       ended one): its slot goes, or current_thread would find it for the new thread */
+    if (other != NULL && other->tid == tid)
+      STATE->threads[i] = other = NULL;
+    if (other == NULL && slot == n)
+      slot = i;
+  }
   if (slot < BT_MAX_THREADS) {
     STATE->threads[slot] = t;
     if (slot == n)
@@ -285,7 +292,7 @@ static int open_ring(BtThread *t, const char *path, uint32_t tid);
 
 /* Map the store at `path` for thread `tid` and take the writer lock.  0, or -errno. */
 int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
-  if (!take_slot(t))
+  if (!take_slot(t, tid))
     return -24; /* EMFILE: more threads at once than slots */
   int rc = open_ring(t, path, tid);
   if (rc != 0)

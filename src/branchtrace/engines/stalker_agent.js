@@ -156,7 +156,8 @@ function release() {
   }
 }
 
-const threads = new Map(); // tid -> BtThread*
+const threads = new Map(); // tid -> BtThread* of the last thread with that id
+let farOfEarlier = 0; // blocks not traced by threads whose id a later thread got
 let tracing = false;
 
 function openRing(tid, path) {
@@ -165,6 +166,10 @@ function openRing(tid, path) {
   if (rc !== 0) {
     send({ type: 'error', tid, message: `cannot open the ring ${path} (error ${rc})` });
     return null;
+  }
+  const earlier = threads.get(tid);
+  if (earlier !== undefined) {
+    farOfEarlier += threadFarBlocks(earlier).toNumber();
   }
   threads.set(tid, t);
   return t;
@@ -528,7 +533,7 @@ function finish() {
   }
   Stalker.flush();
   Stalker.garbageCollect();
-  let far = 0;
+  let far = farOfEarlier;
   for (const t of threads.values()) {
     far += threadFarBlocks(t).toNumber();
     threadClose(t);

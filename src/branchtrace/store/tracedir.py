@@ -2,17 +2,24 @@
 
     DIR/meta.json        what was recorded: engine, mode, program, pid, how it ended, threads
     DIR/modules.jsonl    module loads and unloads, in order (never lost to wrap-around)
-    DIR/T<tid>.bts       one store per thread (docs/format.md)
+    DIR/T<tid>.bts       one store per thread (docs/format.md); T<tid>#2.bts for the
+                         second thread with that id (see below)
     DIR/T<tid>.stream    stream mode: the words drained from that thread's ring, oldest first
     DIR/T<tid>.stream.lz4  the same, compressed (the default; packed.py)
 
 A thread's record stream is its .stream file followed by what is left in its ring.
+
+Threads are named by a key: their id, or for a thread that got the id of an earlier thread
+of the same recording (ids wrap at /proc/sys/kernel/pid_max), its id plus 2^32 for each
+earlier one (GENERATION); named "id#2", "id#3" in file names and views (thread_label).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +38,33 @@ META = "meta.json"
 MODULES = "modules.jsonl"
 SNAPSHOTS = "snapshots"  #: `record --trigger`: one sub-directory per snapshot
 _OURS = (META, MODULES, SNAPSHOTS)
+
+#: a thread's key: its id, plus this for each earlier thread of the recording that had it
+GENERATION = 1 << 32
+
+
+def thread_key(tid: int, earlier: int) -> int:
+    """The key of thread `tid` when `earlier` threads of the recording had its id before."""
+    return tid + earlier * GENERATION
+
+
+def thread_id(key: int) -> int:
+    """The kernel's id of the thread named `key`."""
+    return key % GENERATION
+
+
+def thread_label(key: int) -> str:
+    """How views name a thread: its id, "id#2" for the second thread with that id."""
+    earlier = key // GENERATION
+    return str(key) if earlier == 0 else f"{key % GENERATION}#{earlier + 1}"
+
+
+def parse_thread_label(text: str) -> int:
+    """The key a thread_label names ("id#1" is "id"); ValueError if `text` is not one."""
+    match = re.fullmatch(r"([1-9][0-9]*)(?:#([1-9][0-9]*))?", text.strip())
+    if match is None or int(match[1]) >= GENERATION:
+        raise ValueError(f"not a thread: {text!r}")
+    return thread_key(int(match[1]), int(match[2] or 1) - 1)
 
 
 @dataclass(frozen=True)
@@ -88,10 +122,10 @@ class TraceDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def ring_path(self, tid: int) -> Path:
-        return self.path / f"T{tid}.bts"
+        return self.path / f"T{thread_label(tid)}.bts"
 
     def stream_path(self, tid: int, packed: bool = False) -> Path:
-        return self.path / f"T{tid}.stream{PACKED if packed else ''}"
+        return self.path / f"T{thread_label(tid)}.stream{PACKED if packed else ''}"
 
     def _drained(self, tid: int) -> np.ndarray | None:
         """The words drained to the thread's stream file, packed or raw, if any."""
@@ -106,7 +140,7 @@ class TraceDir:
         return None
 
     def sched_path(self, tid: int) -> Path:
-        return self.path / f"T{tid}.sched.npy"
+        return self.path / f"T{thread_label(tid)}.sched.npy"
 
     def switches(self, tid: int) -> np.ndarray | None:
         """The thread's context switches (time, cpu, out), or None if not recorded."""
@@ -174,13 +208,18 @@ class TraceDir:
     def thread_pid(self, tid: int, meta: dict[str, Any] | None = None) -> int:
         """The process thread `tid` belongs to (`meta`: meta.json, if already read)."""
         meta = self.meta() if meta is None else meta
-        pid = (meta.get("threads") or {}).get(str(tid), {}).get("pid")
+        pid = (meta.get("threads") or {}).get(thread_label(tid), {}).get("pid")
         return int(pid) if pid else int(meta.get("pid") or 0)
 
     def threads(self) -> list[int]:
+        """The keys of the threads recorded (thread_key), in order."""
         found = {p.name.split(".")[0] for p in self.path.glob("T*.bts")}
         found |= {p.name.split(".")[0] for p in self.path.glob("T*.stream*")}
-        return sorted(int(name[1:]) for name in found)
+        keys = set()
+        for name in found:
+            with contextlib.suppress(ValueError):  # not a store of ours
+                keys.add(parse_thread_label(name[1:]))
+        return sorted(keys)
 
     def words(self, tid: int) -> tuple[np.ndarray, int]:
         """The thread's whole record stream as words, and the stream position of the first.
