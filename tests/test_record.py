@@ -38,12 +38,9 @@ FORK_NAMES = {"fork", "__fork", "__libc_fork"}
 
 
 def record(out: Path, *args: str, mode: str = "stream", **kw) -> subprocess.CompletedProcess:
+    kw.setdefault("timeout", 300)
     return subprocess.run(
-        [*BT, "record", "-o", str(out), "--mode", mode, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        **kw,
+        [*BT, "record", "-o", str(out), "--mode", mode, *args], capture_output=True, text=True, **kw
     )
 
 
@@ -1111,7 +1108,14 @@ def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(
     # popen()) and one that fails, after which the program runs on.  Stopping there ended
     # the program's trace at that point, the ring closed, with no warning but the one exec.
     spawn = programs["spawn"]
-    res = record(tmp_path / "d", *(["--follow-fork"] if follow_fork else []), "--", str(spawn), how)
+    res = record(
+        tmp_path / "d",
+        *(["--follow-fork"] if follow_fork else []),
+        "--",
+        str(spawn),
+        how,
+        timeout=60,
+    )
     status = 3 if how in ("system", "popen") else 0
     assert res.returncode == 0 and res.stdout == f"child {status} sum 6\n", res.stderr
     assert "warning" not in res.stderr, res.stderr
@@ -1130,6 +1134,53 @@ def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(
         assert calls_to(trace, child, spawn, "after") == 0
     else:
         assert children == []
+    assert_counts_are_the_records(trace)
+
+
+@pytest.mark.parametrize("follow_fork", [False, True], ids=["", "follow-fork"])
+@pytest.mark.parametrize("who", ["child", "program"])
+@pytest.mark.parametrize("how", ["close_range", "close"])
+def test_closing_every_fd_leaves_frida_its_own(tmp_path, programs, how, who, follow_fork):
+    # Python's subprocess and GLib's spawn close every fd in the child before its exec,
+    # daemons as they start.  That closed Frida's connections and event fds too, and the
+    # program then hung for good in Frida's hook of exit(), or under --follow-fork of its
+    # next fork(), or the child in Frida's hook of its execve().
+    closefds = programs["closefds"]
+    res = record(
+        tmp_path / "d",
+        *(["--follow-fork"] if follow_fork else []),
+        "--",
+        str(closefds),
+        who,
+        how,
+        timeout=60,
+    )
+    assert res.returncode == 0 and res.stdout == "sum 4950 child 7\n", res.stderr
+    assert "warning" not in res.stderr, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    pid = trace.meta()["pid"]
+    assert calls_to(trace, pid, closefds, "work") == 100
+    children = [tid for tid in trace.threads() if trace.thread_pid(tid) != pid]
+    if follow_fork:  # the one that works, and the one that closes its fds and execs
+        assert len(children) == (2 if who == "child" else 1)
+        assert sorted(calls_to(trace, c, closefds, "work") for c in children)[-1:] == [1]
+        assert sum(calls_to(trace, c, closefds, "work") for c in children) == 1
+    else:
+        assert children == []
+    assert_counts_are_the_records(trace)
+
+
+def test_python_running_a_subprocess_is_traced_with_its_child(tmp_path):
+    # subprocess closes every fd in the child before its exec (close_fds): that hung for
+    # good under --follow-fork (test_closing_every_fd_leaves_frida_its_own)
+    python = os.path.realpath(sys.executable)
+    code = "import subprocess; print(subprocess.run(['echo', 'hi'], capture_output=True).stdout)"
+    res = record(tmp_path / "d", "--follow-fork", "--", python, "-c", code, mode="wrap")
+    assert res.returncode == 0 and res.stdout == "b'hi\\n'\n", res.stderr
+    assert "2 processes" in res.stderr and "warning" not in res.stderr, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (child,) = trace.meta()["processes"].values()
+    assert child["exit_code"] == 0
     assert_counts_are_the_records(trace)
 
 

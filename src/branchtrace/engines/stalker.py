@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import threading
@@ -523,6 +524,9 @@ class _Recording:
         self.thread_pid: dict[int, int] = {}  #: the process of each traced thread
         self.ids_seen: dict[int, int] = {}  #: how many traced threads had each id
         self.live_key: dict[int, int] = {}  #: the key of the last thread with each id
+        #: what Frida opened in each process (_open_files), and each child's parent
+        self.frida_files: dict[int, set[str]] = {}
+        self.parent_of: dict[int, int] = {}
         #: processes that run on after Frida dropped their session: their threads' last
         #: records are taken from the live rings (recovered_head)
         self.orphaned: set[int] = set()
@@ -566,12 +570,14 @@ class _Recording:
         main_ring: Path | None,
         park: bool,
         init: int | None = None,
+        before: set[str] | None = None,
     ) -> _Agent:
         """Load the agent into the process of `session`; raises if it does not start.  With
         `park` (--follow-fork) the agent parks a thread of its own, without which Frida drops
         our session with the process once a child it forked has closed its copy of the
         script (stalker_agent.c, bt_park); a forked child is covered by its parent's.
-        `init`: a spawned program's init_offset, where tracing starts."""
+        `init`: a spawned program's init_offset, where tracing starts.  `before`: what the
+        process had open before Frida came in (_open_files), else it is a forked child."""
         agent = _Agent(pid)
         if spawn:
             self.init = init
@@ -584,6 +590,7 @@ class _Recording:
             "triggers": [t.__dict__ for t in self.options.triggers],
             "snapshots": self.options.snapshots,
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{pid}"),
+            "spared": self._frida_fds_of(pid, before),
         }
         agent.script = session.create_script(agent_script(params))
         agent.script.on("message", lambda message, data: self.on_message(agent, message))
@@ -593,6 +600,27 @@ class _Recording:
             where = _bounded(agent.script.exports_sync.fork_counters)
             agent.fork_counters = _ForkCounters(pid, where)
         return agent
+
+    def _frida_fds_of(self, pid: int, before: set[str] | None) -> list[int]:
+        """The fds of Frida's files in process `pid` (its connections with us, its event
+        fds), which its close_range() must leave open (on_close_range in stalker_agent.c):
+        what it opened since `before` (_open_files); in a forked child (`before` None),
+        the sockets and event fds its parent does not have (Frida makes them anew after a
+        fork) and what Frida had opened in its parent."""
+        files = _open_files(pid)
+        if before is not None:
+            frida = set(files.values()) - before
+        else:
+            parent = self.parent_of.get(pid, 0)
+            theirs = set(_open_files(parent).values())
+            frida = {
+                what
+                for what in files.values()
+                if what.startswith(("socket:", "anon_inode:[eventfd]")) and what not in theirs
+            }
+            frida |= self.frida_files.get(parent, set())
+        self.frida_files[pid] = frida
+        return sorted(fd for fd, what in files.items() if what in frida)
 
     def add_thread(self, tid: int, pid: int) -> Path:
         """A ring for thread `tid` of process `pid`, and its drain.  A thread that got the
@@ -1077,7 +1105,7 @@ class _ForkFollower:
             with contextlib.suppress(Exception):
                 self.device.resume(pid)
             return
-        self.parents[pid] = int(child.parent_pid)
+        self.parents[pid] = self.rec.parent_of[pid] = int(child.parent_pid)
         session = agent = None
         try:
             session = self.device.attach(pid)
@@ -1378,10 +1406,17 @@ class StalkerEngine:
         meta["pid"] = pid
         rec.tracedir.write_meta(meta)
         try:
+            inherited = set(_open_files(pid).values())
             session = device.attach(pid)
             main_ring = rec.add_thread(pid, pid)
             agent = rec.load_agent(
-                session, pid, True, main_ring, park=options.follow_fork, init=init
+                session,
+                pid,
+                True,
+                main_ring,
+                park=options.follow_fork,
+                init=init,
+                before=inherited,
             )
         except BaseException as e:
             with contextlib.suppress(Exception):
@@ -1521,10 +1556,11 @@ class StalkerEngine:
 
         try:
             device = frida.get_local_device()
+            own = set(_open_files(pid).values())
             session = device.attach(pid)
             # at once: a session dropped while the agent loads is reported with its reason
             session.on("detached", on_detached)
-            agent = rec.load_agent(session, pid, False, None, park=options.follow_fork)
+            agent = rec.load_agent(session, pid, False, None, park=options.follow_fork, before=own)
             tids = agent.script.exports_sync.threads(_tasks(pid))
             paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
         except Exception as e:
@@ -1720,6 +1756,21 @@ def _dropped_warning(what: str, reason: str) -> str:
         f"Frida dropped its session with {what} ({reason}) while it ran on: its trace ends "
         "there, and it ran on untraced"
     )
+
+
+def _open_files(pid: int) -> dict[int, str]:
+    """What process `pid` has open: fd -> what it is ("socket:[inode]", a path, or, for
+    an eventfd, which of them: its eventfd-id)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                what = os.readlink(f"/proc/{pid}/fd/{name}")
+                if what == "anon_inode:[eventfd]":
+                    info = Path(f"/proc/{pid}/fdinfo/{name}").read_text()
+                    what += " " + (re.findall(r"eventfd-id:\s*(\d+)", info) or ["?"])[0]
+                found[int(name)] = what
+    return found
 
 
 def _tasks(pid: int) -> list[int]:

@@ -97,6 +97,7 @@ typedef struct {
 } BtThread;
 
 #define BT_MAX_THREADS 4096
+#define BT_MAX_SPARED 16
 
 /* Process-wide state in writable memory the host passes in (CModule globals are
    read-only). */
@@ -115,6 +116,8 @@ typedef struct {
   int returns_held;      /* bt_on_fork_return(): threads out of a fork() begun before the
                             hook wait there meanwhile, until the host has their rings */
   int slots_lock;        /* taking or giving back a slot of `threads` (take_slot) */
+  int nspared;           /* on_close_range(): Frida's connections, which it leaves open */
+  int spared[BT_MAX_SPARED];
 } BtState;
 
 extern uint8_t bt_state[];
@@ -633,7 +636,7 @@ static void release_ended_thread(BtThread *t) {
 }
 
 /* Before a system call instruction, when it is exit (the thread ends) or exit_group (the
-   process does): see put_exit_check.  Nothing but the kernel runs after it, and the ring is
+   process does): see put_syscall_checks.  Nothing but the kernel runs after it, and the ring is
    closed, so that it ends like the ring of a thread that ended, its records counted as
    written.  The other threads that exit_group kills where they are leave their rings open,
    read as after a crash. */
@@ -644,6 +647,77 @@ static void on_exit_syscall(GumCpuContext *cpu, gpointer user_data) {
   bt_thread_close(t);
   if (cpu->rax == 60 /* exit */)
     release_ended_thread(t);
+}
+
+/* Before a close_range() system call (see put_syscall_checks), which closes the fds from
+   rdi to rsi: Frida's files (its connections with the recorder, its event fds; the host
+   lists them, `spared`) and the rings' fds (the writer lock) are left open, the rest
+   closed here, and the call itself closes nothing more (0 returned).  Programs close every
+   fd before exec (Python's subprocess, GLib's spawn) and daemons as they start: Frida's
+   hooks of exit() and (under child gating) of execve() and fork() then waited for an
+   answer that could never come, and the program hung there for good (Frida 17.26); and a
+   ring whose lock is gone reads as its writer's end. */
+static int add_spared(int *kept, int n, int cap, int fd) {
+  if (n == cap || fd < 0)
+    return n;
+  int i = n;
+  for (; i > 0 && kept[i - 1] >= fd; i--)
+    if (kept[i - 1] == fd)
+      return n;
+  for (int j = n; j > i; j--)
+    kept[j] = kept[j - 1];
+  kept[i] = fd;
+  return n + 1;
+}
+
+static int spared_fds(int *kept) {
+  int n = 0;
+  for (int i = 0; i < STATE->nspared; i++)
+    n = add_spared(kept, n, 256, STATE->spared[i]);
+  lock_slots();
+  for (int i = 0; i < STATE->nthreads; i++) {
+    BtThread *t = STATE->threads[i];
+    if (t != NULL && !t->closed)
+      n = add_spared(kept, n, 256, t->w.fd);
+  }
+  unlock_slots();
+  return n;
+}
+
+static void on_close_range(GumCpuContext *cpu, gpointer user_data) {
+  uint32_t first = (uint32_t)cpu->rdi, last = (uint32_t)cpu->rsi, flags = (uint32_t)cpu->rdx;
+  if (in_forked_child() || (flags & 4 /* CLOSE_RANGE_CLOEXEC */) || first > last)
+    return;
+  int kept[256], n = spared_fds(kept);
+  int spared = 0;
+  uint32_t from = first;
+  for (int i = 0; i < n; i++) {
+    uint32_t fd = (uint32_t)kept[i];
+    if (fd < from || fd > last)
+      continue;
+    if (fd > from)
+      syscall(436 /* close_range */, from, fd - 1, flags);
+    from = fd + 1;
+    spared = 1;
+  }
+  if (!spared)
+    return;
+  if (from <= last)
+    syscall(436 /* close_range */, from, last, flags);
+  cpu->rdi = cpu->rsi = 0xffffffffu; /* no fd: the program's call succeeds, closing nothing */
+  cpu->rdx = 0;
+}
+
+/* Before a close() system call: the same for a program that closes its fds one by one (the
+   fallback of Python, GLib and glibc's closefrom() without close_range()).  The call is
+   made on fd -1, so it fails with EBADF, as a close of an fd it does not have would. */
+static void on_close(GumCpuContext *cpu, gpointer user_data) {
+  if (in_forked_child())
+    return;
+  int kept[256], n = spared_fds(kept);
+  for (int i = 0; i < n; i++)
+    if ((uint64_t)(uint32_t)kept[i] == cpu->rdi)
+      cpu->rdi = (uint64_t)-1;
 }
 
 void bt_unpark(void) {
@@ -1205,18 +1279,45 @@ static uint64_t *new_spilled(BtThread *t) {
      exit: callout
      go:   syscall
    `label` is any address unique to this block. */
-static void put_exit_check(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                           gconstpointer label) {
-  static const uint8_t check[] = {
+/* Before a system call instruction: exit and exit_group end the thread's ring
+   (on_exit_syscall); close and close_range spare Frida's files (on_close, on_close_range).
+   Each check is a lea and a jrcxz (rcx, which the syscall overwrites anyway), so that no
+   flag changes; a callout costs about 115 ns, so only these calls pay one. */
+static void put_check(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                      int32_t nr, GumStalkerCallout callout, gconstpointer go,
+                      gconstpointer next) {
+  uint8_t check[] = {
+      0x48, 0x8d, 0x88, 0, 0, 0, 0, /* lea rcx, [rax-nr] */
+      0xe3, 0x05,                   /* jrcxz (over the jmp) */
+  };
+  int32_t minus = -nr;
+  for (int i = 0; i < 4; i++)
+    check[3 + i] = (uint8_t)((uint32_t)minus >> (8 * i));
+  put_bytes(cw, check, sizeof check);
+  gum_x86_writer_put_jmp_near_label(cw, next);
+  gum_stalker_iterator_put_callout(iterator, callout, t, NULL);
+  gum_x86_writer_put_jmp_near_label(cw, go);
+  gum_x86_writer_put_label(cw, next);
+}
+
+static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                               uint64_t address) {
+  /* labels of this syscall instruction's own: its address with high bits set */
+  gconstpointer go = (gconstpointer)(address | (1ULL << 63));
+  put_check(iterator, cw, t, 3 /* close */, on_close, go,
+            (gconstpointer)(address | (1ULL << 62)));
+  put_check(iterator, cw, t, 436 /* close_range */, on_close_range, go,
+            (gconstpointer)(address | (1ULL << 61)));
+  static const uint8_t exit_check[] = {
       0x48, 0x8d, 0x48, 0xc4,                   /* lea rcx, [rax-60] */
       0xe3, 0x0e,                               /* jrcxz exit (over 14 bytes) */
       0x48, 0x8d, 0x88, 0x19, 0xff, 0xff, 0xff, /* lea rcx, [rax-231] */
       0xe3, 0x05,                               /* jrcxz exit (over the jmp) */
   };
-  put_bytes(cw, check, sizeof check);
-  gum_x86_writer_put_jmp_near_label(cw, label);
+  put_bytes(cw, exit_check, sizeof exit_check);
+  gum_x86_writer_put_jmp_near_label(cw, go);
   gum_stalker_iterator_put_callout(iterator, on_exit_syscall, t, NULL);
-  gum_x86_writer_put_label(cw, label);
+  gum_x86_writer_put_label(cw, go);
 }
 
 void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data) {
@@ -1269,7 +1370,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     first = 0;
     last = insn->address;
     if (insn->id == X86_INS_SYSCALL)
-      put_exit_check(iterator, cw, t, (gconstpointer)insn->address);
+      put_syscall_checks(iterator, cw, t, insn->address);
     gum_stalker_iterator_keep(iterator);
   }
   if (tail_slow)

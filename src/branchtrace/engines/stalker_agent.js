@@ -2,14 +2,14 @@
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
 // PARAMS is prepended by the host: {cSource, mainRing, spawn, initOffset, park, triggers,
-// snapshots, notesPath}.
+// snapshots, notesPath, spared}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Asked once per compiled block (never per execution): blocks of Frida's own code, such as
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 40); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 112); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -19,6 +19,10 @@ state.add(PARKED).writeU64(0); // none yet, and it need not return
 state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
 state.add(PARKED + 16).writeU32(0); // no thread held where a fork() returns
 state.add(PARKED + 20).writeU32(0); // the thread slots are free to take
+// Frida's files, which close_range() leaves open (on_close_range in stalker_agent.c)
+const spared = PARAMS.spared.slice(0, 16);
+state.add(PARKED + 24).writeS32(spared.length);
+spared.forEach((fd, i) => state.add(PARKED + 28 + 4 * i).writeS32(fd));
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
