@@ -1095,7 +1095,10 @@ def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
     assert "ends early" not in res.stderr
     assert "exited with status 3" in res.stderr
     trace = TraceDir.open(tmp_path / "d")
-    assert trace.meta()["exit_code"] == 3
+    assert trace.meta()["exit_code"] == 3 and trace.meta()["exec"] is True
+    # its ring was left as the exec found it: ended there, not "died"
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert "ended at exec" in info.stdout and "died" not in info.stdout, info.stdout
 
 
 @pytest.mark.parametrize("follow_fork", [False, True], ids=["", "follow-fork"])
@@ -1165,6 +1168,8 @@ def test_closing_every_fd_leaves_frida_its_own(tmp_path, programs, how, who, fol
         assert len(children) == (2 if who == "child" else 1)
         assert sorted(calls_to(trace, c, closefds, "work") for c in children)[-1:] == [1]
         assert sum(calls_to(trace, c, closefds, "work") for c in children) == 1
+        execs = [e.get("exec", False) for e in trace.meta()["processes"].values()]
+        assert len(execs) == len(children) and execs.count(True) == (who == "child")
     else:
         assert children == []
     assert_counts_are_the_records(trace)

@@ -90,6 +90,14 @@ def _thread_of(store: Path, tid: int) -> str:
         return str(tid)
 
 
+def _execd(meta: dict[str, Any], thread: str) -> bool:
+    """Whether the process of `thread` (a thread_label) called exec, ending its trace."""
+    pid = (meta.get("threads") or {}).get(thread, {}).get("pid")
+    if pid is None or pid == meta.get("pid"):
+        return bool(meta.get("exec"))
+    return bool((meta.get("processes") or {}).get(str(pid), {}).get("exec"))
+
+
 def _human(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB"):
@@ -227,6 +235,8 @@ def info(path: Path, as_json: bool) -> None:
             col, justify="right" if col in ("records", "lost", "tid", "switches") else "left"
         )
     for r in rows:
+        if r["writer"] == "died" and meta and _execd(meta, str(r["thread"])):
+            r["writer"] = "ended at exec"  # the exec ended the image, its threads with it
         writer = f"{r['writer']} (pid {r['writer_pid']})" if r["writer_pid"] else str(r["writer"])
         if r["recovered_bytes"]:
             writer += f", {r['recovered_bytes']} bytes recovered past its head"

@@ -66,9 +66,10 @@ class RecordResult:
     exit_code: int | None = None  #: the program's exit status, if it exited
     signal: int | None = None  #: the signal that killed it, if one did
     detached: bool = False  #: we let go of a process that is still running
+    execd: bool = False  #: the program called exec: its trace ends there
     warnings: list[str] = field(default_factory=list)
     snapshots: list[Path] = field(default_factory=list)  #: --trigger snapshot directories
-    #: --follow-fork: how each traced child ended: ppid, exit_code / signal / detached
+    #: --follow-fork: how each traced child ended: ppid, exit_code / signal / detached, exec
     processes: dict[int, dict[str, object]] = field(default_factory=dict)
 
     @property
@@ -107,6 +108,7 @@ def finish_meta(
             "exit_code": result.exit_code,
             "signal": result.signal,
             "detached": result.detached,
+            "exec": result.execd,
             "processes": {str(p): e for p, e in result.processes.items()},
             "untraced_threads": untraced_threads,
             "warnings": result.warnings,

@@ -1042,6 +1042,7 @@ class _ForkFollower:
         self.children: dict[int, tuple[Any, _Agent | None]] = {}  #: pid -> session, agent
         self.parents: dict[int, int] = {}
         self.ended: set[int] = set()
+        self.replaced: set[int] = set()  #: children that called exec (Frida says so)
         #: children whose session Frida dropped while they ran on, and why
         self.dropped: dict[int, str] = {}
         self._let_go_of: set[int] = set()  #: children we detach from ourselves
@@ -1125,6 +1126,8 @@ class _ForkFollower:
                 self.device.resume(pid)
 
     def _on_detached(self, pid: int, reason: str) -> None:
+        if reason == "process-replaced":
+            self.replaced.add(pid)
         ours = reason == "application-requested" and pid in self._let_go_of
         if not ours and reason not in ("process-terminated", "process-replaced") and _running(pid):
             self.dropped[pid] = reason
@@ -1279,6 +1282,8 @@ class _ForkFollower:
                 status = self.watcher.status(pid, timeout=2)
                 if status is not None:
                     ending["exit_code"], ending["signal"] = describe(status)
+            if pid in self.replaced or pid in self.watcher.execs:
+                ending["exec"] = True  # its trace ends at its exec
             processes[pid] = ending
         for pid in self.killed:
             processes[pid]["frozen"] = True
@@ -1476,6 +1481,7 @@ class StalkerEngine:
         wait_status = watcher.status(pid, timeout=2) if watcher.available else None
         watcher.close()
         if replaced.is_set() or pid in watcher.execs:
+            result.execd = True
             result.warnings.append(_exec_warning(argv[0]))
         if wait_status is not None:
             result.exit_code, result.signal = describe(wait_status)
@@ -1689,6 +1695,7 @@ class StalkerEngine:
         status = None if running else watcher.status(pid, timeout=2)
         called_exec = reason == "process-replaced" or pid in watcher.execs
         if called_exec:
+            result.execd = True
             result.warnings.append(_exec_warning(f"pid {pid}"))
         if status is not None:
             result.exit_code, result.signal = describe(status)
