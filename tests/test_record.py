@@ -1189,6 +1189,24 @@ def test_python_running_a_subprocess_is_traced_with_its_child(tmp_path):
     assert_counts_are_the_records(trace)
 
 
+def test_an_attached_python_running_subprocesses_closes_its_own_fds(tmp_path):
+    # Frida closes files of its own after the attach, and the program gets their numbers
+    # for its pipes: those are the program's to close (a first version of the sparing
+    # refused, and subprocess failed with EBADF)
+    code = (
+        "import subprocess, time; print('ready', flush=True); time.sleep(1)\n"
+        "for i in range(3): print(subprocess.run(['echo', str(i)], capture_output=True).stdout)"
+    )
+    with attach_target(os.path.realpath(sys.executable), "-c", code) as target:
+        res = record(
+            tmp_path / "d", "--follow-fork", "--duration", "4", "-p", str(target.pid), mode="wrap"
+        )
+        assert output_after(target, res) == "b'0\\n'\nb'1\\n'\nb'2\\n'\n", res.stderr
+    assert res.returncode == 0 and "4 processes" in res.stderr, res.stderr
+    assert "warning" not in res.stderr, res.stderr
+    assert target.returncode == 0
+
+
 @pytest.mark.parametrize("mode", ["stream", "wrap"])
 def test_the_tool_killed_after_a_childs_exec_leaves_the_program_running(tmp_path, programs, mode):
     # after a child's exec Frida never calls the agent's dispose() again, so a recorder that

@@ -601,9 +601,10 @@ class _Recording:
             agent.fork_counters = _ForkCounters(pid, where)
         return agent
 
-    def _frida_fds_of(self, pid: int, before: set[str] | None) -> list[int]:
-        """The fds of Frida's files in process `pid` (its connections with us, its event
-        fds), which its close_range() must leave open (on_close_range in stalker_agent.c):
+    def _frida_fds_of(self, pid: int, before: set[str] | None) -> list[list[int]]:
+        """Frida's files in process `pid` (its connections with us, its event fds), which
+        its close_range() must leave open (on_close_range in stalker_agent.c), as [fd,
+        is an event fd, its eventfd-id or inode]:
         what it opened since `before` (_open_files); in a forked child (`before` None),
         the sockets and event fds its parent does not have (Frida makes them anew after a
         fork) and what Frida had opened in its parent."""
@@ -620,7 +621,18 @@ class _Recording:
             }
             frida |= self.frida_files.get(parent, set())
         self.frida_files[pid] = frida
-        return sorted(fd for fd, what in files.items() if what in frida)
+        spared = []
+        for fd, what in sorted(files.items()):
+            if what not in frida:
+                continue
+            if what.startswith("anon_inode:[eventfd] "):
+                eventfd_id = what.rsplit(" ", 1)[1]
+                if eventfd_id.isdigit():  # else not one to tell apart from the program's
+                    spared.append([fd, 1, int(eventfd_id)])
+            else:
+                with contextlib.suppress(OSError):
+                    spared.append([fd, 0, os.stat(f"/proc/{pid}/fd/{fd}").st_ino])
+        return spared
 
     def add_thread(self, tid: int, pid: int) -> Path:
         """A ring for thread `tid` of process `pid`, and its drain.  A thread that got the

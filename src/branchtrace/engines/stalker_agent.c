@@ -99,6 +99,15 @@ typedef struct {
 #define BT_MAX_THREADS 4096
 #define BT_MAX_SPARED 16
 
+/* A file of Frida's, by its fd when the agent was loaded and what it was: the fd's inode,
+   or for an event fd (all share one inode) its eventfd-id.  Frida may have closed it since
+   and the program got the number, so it is checked before it is spared (still_fridas). */
+typedef struct {
+  int fd;
+  uint32_t is_eventfd;
+  uint64_t id;
+} BtSpared;
+
 /* Process-wide state in writable memory the host passes in (CModule globals are
    read-only). */
 typedef struct {
@@ -116,8 +125,9 @@ typedef struct {
   int returns_held;      /* bt_on_fork_return(): threads out of a fork() begun before the
                             hook wait there meanwhile, until the host has their rings */
   int slots_lock;        /* taking or giving back a slot of `threads` (take_slot) */
-  int nspared;           /* on_close_range(): Frida's connections, which it leaves open */
-  int spared[BT_MAX_SPARED];
+  int nspared;           /* on_close_range(): Frida's files, which it leaves open */
+  int spared_pad;
+  BtSpared spared[BT_MAX_SPARED];
 } BtState;
 
 extern uint8_t bt_state[];
@@ -670,10 +680,51 @@ static int add_spared(int *kept, int n, int cap, int fd) {
   return n + 1;
 }
 
+static int still_fridas(const BtSpared *f) {
+  uint64_t st[18]; /* struct stat: st_ino at 8 */
+  if (syscall(5 /* fstat */, f->fd, st) != 0)
+    return 0;
+  if (!f->is_eventfd)
+    return st[1] == f->id;
+  char path[32] = "/proc/self/fdinfo/", digits[12];
+  int len = 0, at = 18;
+  for (uint32_t v = (uint32_t)f->fd; len == 0 || v > 0; v /= 10)
+    digits[len++] = (char)('0' + v % 10);
+  while (len > 0)
+    path[at++] = digits[--len];
+  path[at] = 0;
+  int info = open(path, 02000000 /* O_CLOEXEC */);
+  if (info < 0)
+    return 0;
+  char text[512];
+  long got = syscall(0 /* read */, info, text, sizeof text - 1);
+  close(info);
+  if (got <= 0)
+    return 0;
+  text[got] = 0;
+  static const char key[] = "eventfd-id:";
+  for (long i = 0; i + (long)sizeof key - 1 <= got; i++) {
+    int j = 0;
+    while (key[j] != 0 && text[i + j] == key[j])
+      j++;
+    if (key[j] != 0)
+      continue;
+    const char *p = text + i + j;
+    while (*p == ' ' || *p == '\t')
+      p++;
+    uint64_t id = 0;
+    for (; *p >= '0' && *p <= '9'; p++)
+      id = id * 10 + (uint64_t)(*p - '0');
+    return id == f->id;
+  }
+  return 0;
+}
+
 static int spared_fds(int *kept) {
   int n = 0;
   for (int i = 0; i < STATE->nspared; i++)
-    n = add_spared(kept, n, 256, STATE->spared[i]);
+    if (still_fridas(&STATE->spared[i]))
+      n = add_spared(kept, n, 256, STATE->spared[i].fd);
   lock_slots();
   for (int i = 0; i < STATE->nthreads; i++) {
     BtThread *t = STATE->threads[i];

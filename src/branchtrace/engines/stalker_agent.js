@@ -9,7 +9,7 @@ const libc = (name) => Module.getGlobalExportByName(name);
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 112); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 304); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -20,9 +20,14 @@ state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
 state.add(PARKED + 16).writeU32(0); // no thread held where a fork() returns
 state.add(PARKED + 20).writeU32(0); // the thread slots are free to take
 // Frida's files, which close_range() leaves open (on_close_range in stalker_agent.c)
-const spared = PARAMS.spared.slice(0, 16);
+const spared = PARAMS.spared.slice(0, 16); // [fd, isEventfd, id]: BtSpared
 state.add(PARKED + 24).writeS32(spared.length);
-spared.forEach((fd, i) => state.add(PARKED + 28 + 4 * i).writeS32(fd));
+spared.forEach(([fd, isEventfd, id], i) => {
+  const at = state.add(PARKED + 32 + 16 * i);
+  at.writeS32(fd);
+  at.add(4).writeU32(isEventfd);
+  at.add(8).writeU64(uint64(id.toString()));
+});
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
