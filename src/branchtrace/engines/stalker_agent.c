@@ -720,15 +720,24 @@ static int still_fridas(const BtSpared *f) {
   return 0;
 }
 
-static int spared_fds(int *kept) {
+/* The fds from `first` to `last` to leave open, in order: Frida's (still so) and the
+   rings'.  Only those in the range are checked, so a close() costs a few compares unless
+   it is of one of them. */
+static int spared_fds(int *kept, uint32_t first, uint32_t last) {
   int n = 0;
-  for (int i = 0; i < STATE->nspared; i++)
-    if (still_fridas(&STATE->spared[i]))
-      n = add_spared(kept, n, 256, STATE->spared[i].fd);
+  for (int i = 0; i < STATE->nspared; i++) {
+    BtSpared *f = &STATE->spared[i];
+    if (f->fd < 0 || (uint32_t)f->fd < first || (uint32_t)f->fd > last)
+      continue;
+    if (still_fridas(f))
+      n = add_spared(kept, n, 256, f->fd);
+    else
+      f->fd = -1; /* Frida closed it, and the number is the program's from now on */
+  }
   lock_slots();
   for (int i = 0; i < STATE->nthreads; i++) {
     BtThread *t = STATE->threads[i];
-    if (t != NULL && !t->closed)
+    if (t != NULL && !t->closed && (uint32_t)t->w.fd >= first && (uint32_t)t->w.fd <= last)
       n = add_spared(kept, n, 256, t->w.fd);
   }
   unlock_slots();
@@ -739,7 +748,7 @@ static void on_close_range(GumCpuContext *cpu, gpointer user_data) {
   uint32_t first = (uint32_t)cpu->rdi, last = (uint32_t)cpu->rsi, flags = (uint32_t)cpu->rdx;
   if (in_forked_child() || (flags & 4 /* CLOSE_RANGE_CLOEXEC */) || first > last)
     return;
-  int kept[256], n = spared_fds(kept);
+  int kept[256], n = spared_fds(kept, first, last);
   int spared = 0;
   uint32_t from = first;
   for (int i = 0; i < n; i++) {
@@ -763,12 +772,10 @@ static void on_close_range(GumCpuContext *cpu, gpointer user_data) {
    fallback of Python, GLib and glibc's closefrom() without close_range()).  The call is
    made on fd -1, so it fails with EBADF, as a close of an fd it does not have would. */
 static void on_close(GumCpuContext *cpu, gpointer user_data) {
-  if (in_forked_child())
-    return;
-  int kept[256], n = spared_fds(kept);
-  for (int i = 0; i < n; i++)
-    if ((uint64_t)(uint32_t)kept[i] == cpu->rdi)
-      cpu->rdi = (uint64_t)-1;
+  int kept[256];
+  if (cpu->rdi <= 0xffffffffu && spared_fds(kept, (uint32_t)cpu->rdi, (uint32_t)cpu->rdi) > 0 &&
+      !in_forked_child()) /* last: a system call */
+    cpu->rdi = (uint64_t)-1;
 }
 
 void bt_unpark(void) {
