@@ -19,7 +19,7 @@ state.add(PARKED).writeU64(0); // none yet, and it need not return
 state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
 state.add(PARKED + 16).writeU32(0); // no thread held where a fork() returns
 state.add(PARKED + 20).writeU32(0); // the thread slots are free to take
-// Frida's files, which close_range() leaves open (on_close_range in stalker_agent.c)
+// Frida's files, which the program's close() and close_range() leave open (on_close_range)
 const spared = PARAMS.spared.slice(0, 16); // [fd, isEventfd, id]: BtSpared
 state.add(PARKED + 24).writeS32(spared.length);
 spared.forEach(([fd, isEventfd, id], i) => {
