@@ -89,6 +89,17 @@ def attach_target(*argv: object, stdin: int | None = None) -> Iterator[subproces
         target.stdout.close()
 
 
+def kill_tool(tool: subprocess.Popen) -> str:
+    """SIGKILL the recorder `tool`; what the program it leaves behind then prints to the
+    end (it shares the recorder's stdout)."""
+    tool.send_signal(signal.SIGKILL)
+    tool.wait()
+    rest = tool.stdout.read()
+    tool.stdout.close()
+    tool.stderr.close()
+    return rest
+
+
 def output_after(target: subprocess.Popen, res: subprocess.CompletedProcess) -> str:
     """What the attached program printed once it finished, within 30 s of the recording."""
     try:
@@ -1018,13 +1029,8 @@ def test_dlopen_is_recorded_as_a_module_load(tmp_path, programs):
 def test_the_tool_killed_leaves_the_program_running_and_the_trace_readable(tmp_path, programs):
     out = tmp_path / "d"
     tool = recording_of_spin(out, programs)
-    tool.send_signal(signal.SIGKILL)
-    tool.wait()
     # the program is orphaned, not stopped: it finishes on its own with the right output
-    rest = tool.stdout.read()
-    tool.stdout.close()
-    tool.stderr.close()
-    assert rest.strip() == SPIN_OUTPUT
+    assert kill_tool(tool).strip() == SPIN_OUTPUT
     info = subprocess.run([*BT, "info", str(out), "--json"], capture_output=True, text=True)
     assert info.returncode == 0, info.stderr
     assert (
@@ -1221,12 +1227,7 @@ def test_the_tool_killed_after_a_childs_exec_leaves_the_program_running(tmp_path
     )
     assert tool.stdout.readline() == "spawned\n"
     time.sleep(0.3)
-    tool.send_signal(signal.SIGKILL)
-    tool.wait()
-    rest = tool.stdout.read()
-    tool.stdout.close()
-    tool.stderr.close()
-    assert rest == f"child 0 sum {6 + n}\n"
+    assert kill_tool(tool) == f"child 0 sum {6 + n}\n"
     trace = TraceDir.open(tmp_path / "d")
     pid = trace.meta()["pid"]
     assert calls_to(trace, pid, programs["spawn"], "after") > 3
@@ -1338,13 +1339,8 @@ def test_killing_the_tool_in_stream_mode_does_not_block_the_program(tmp_path, pr
     )
     assert "recording" in tool.stderr.readline()
     time.sleep(0.3)
-    tool.send_signal(signal.SIGKILL)
-    tool.wait()
     # the orphaned program notices its consumer is gone, drops from then on, and finishes
-    out = tool.stdout.read()
-    tool.stdout.close()
-    tool.stderr.close()
-    assert out.strip() == str(n * (n - 1) // 2)
+    assert kill_tool(tool).strip() == str(n * (n - 1) // 2)
 
 
 @pytest.mark.parametrize("mode", ["stream", "wrap"])

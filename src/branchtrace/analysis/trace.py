@@ -112,9 +112,10 @@ class Trace:
 
     def _check_tid(self, tid: int) -> None:
         if tid not in self.threads:
-            known = ", ".join(map(str, self.threads)) or "none"
+            known = ", ".join(map(thread_label, self.threads)) or "none"
             raise InvalidArgumentError(
-                f"thread {tid} is not in {self.path}", hint=f"threads recorded: {known}"
+                f"thread {thread_label(tid)} is not in {self.path}",
+                hint=f"threads recorded: {known}",
             )
 
     def branches(self, tid: int, last: int | None = None) -> np.ndarray:

@@ -15,7 +15,7 @@ from ..errors import StoreError
 from ..store import Ring, RingReader, recovered_head
 from ..store.format import WriterState
 from ..store.records import count_records
-from ..store.tracedir import META, TraceDir, parse_thread_label, thread_label
+from ..store.tracedir import META, TraceDir, thread_label, thread_of_file
 
 
 def find_stores(path: Path) -> list[Path]:
@@ -75,17 +75,16 @@ def summarize(path: Path) -> dict[str, Any]:
 def _store_order(store: Path) -> tuple[int, str]:
     """A recording's stores in the order of their threads' keys (T56 before T100)."""
     try:
-        return parse_thread_label(store.name[1:].split(".")[0]), ""
+        return thread_of_file(store.name), ""
     except ValueError:
         return -1, store.name
 
 
 def _thread_of(store: Path, tid: int) -> str:
     """The thread a store is of, as views name it: in a recording its name says so
-    (T<id>.bts, T<id>#2.bts; tracedir.thread_label), else the id its header holds."""
-    name = store.name[1:].split(".")[0]
+    (T<id>.bts, T<id>#2.bts), else the id its header holds."""
     try:
-        return thread_label(parse_thread_label(name)) if store.name.startswith("T") else str(tid)
+        return thread_label(thread_of_file(store.name))
     except ValueError:
         return str(tid)
 

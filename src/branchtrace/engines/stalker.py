@@ -524,9 +524,8 @@ class _Recording:
         self.thread_pid: dict[int, int] = {}  #: the process of each traced thread
         self.ids_seen: dict[int, int] = {}  #: how many traced threads had each id
         self.live_key: dict[int, int] = {}  #: the key of the last thread with each id
-        #: what Frida opened in each process (_open_files), and each child's parent
+        #: what Frida opened in each process (_open_files)
         self.frida_files: dict[int, set[str]] = {}
-        self.parent_of: dict[int, int] = {}
         #: processes that run on after Frida dropped their session: their threads' last
         #: records are taken from the live rings (recovered_head)
         self.orphaned: set[int] = set()
@@ -571,13 +570,15 @@ class _Recording:
         park: bool,
         init: int | None = None,
         before: set[str] | None = None,
+        forked_from: int | None = None,
     ) -> _Agent:
         """Load the agent into the process of `session`; raises if it does not start.  With
         `park` (--follow-fork) the agent parks a thread of its own, without which Frida drops
         our session with the process once a child it forked has closed its copy of the
         script (stalker_agent.c, bt_park); a forked child is covered by its parent's.
         `init`: a spawned program's init_offset, where tracing starts.  `before`: what the
-        process had open before Frida came in (_open_files), else it is a forked child."""
+        process had open before Frida came in (_open_files); `forked_from`: else, the
+        parent of the forked child it is."""
         agent = _Agent(pid)
         if spawn:
             self.init = init
@@ -590,7 +591,7 @@ class _Recording:
             "triggers": [t.__dict__ for t in self.options.triggers],
             "snapshots": self.options.snapshots,
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{pid}"),
-            "spared": self._frida_fds_of(pid, before),
+            "spared": self._frida_fds_of(pid, before, forked_from),
         }
         agent.script = session.create_script(agent_script(params))
         agent.script.on("message", lambda message, data: self.on_message(agent, message))
@@ -601,25 +602,26 @@ class _Recording:
             agent.fork_counters = _ForkCounters(pid, where)
         return agent
 
-    def _frida_fds_of(self, pid: int, before: set[str] | None) -> list[list[int]]:
+    def _frida_fds_of(
+        self, pid: int, before: set[str] | None, forked_from: int | None
+    ) -> list[list[int]]:
         """Frida's files in process `pid` (its connections with us, its event fds), which
         its close_range() must leave open (on_close_range in stalker_agent.c), as [fd,
         is an event fd, its eventfd-id or inode]:
-        what it opened since `before` (_open_files); in a forked child (`before` None),
+        what it opened since `before` (_open_files); in a child forked from `forked_from`,
         the sockets and event fds its parent does not have (Frida makes them anew after a
         fork) and what Frida had opened in its parent."""
         files = _open_files(pid)
-        if before is not None:
-            frida = set(files.values()) - before
+        if forked_from is None:
+            frida = set(files.values()) - (before or set())
         else:
-            parent = self.parent_of.get(pid, 0)
-            theirs = set(_open_files(parent).values())
+            theirs = set(_open_files(forked_from).values())
             frida = {
                 what
                 for what in files.values()
                 if what.startswith(("socket:", "anon_inode:[eventfd]")) and what not in theirs
             }
-            frida |= self.frida_files.get(parent, set())
+            frida |= self.frida_files.get(forked_from, set())
         self.frida_files[pid] = frida
         spared = []
         for fd, what in sorted(files.items()):
@@ -964,8 +966,7 @@ class _Recording:
         self._error(
             f"thread {thread_label(tid)}: its stream could not be written on "
             f"({error.strerror}) after {os.fstat(fd).st_size:,} bytes: what it recorded after "
-            "its ring filled up "
-            "was lost (counted in lost), the rest is kept"
+            "its ring filled up was lost (counted in lost), the rest is kept"
         )
 
     def _close_ring(
@@ -1118,14 +1119,16 @@ class _ForkFollower:
             with contextlib.suppress(Exception):
                 self.device.resume(pid)
             return
-        self.parents[pid] = self.rec.parent_of[pid] = int(child.parent_pid)
+        self.parents[pid] = int(child.parent_pid)
         session = agent = None
         try:
             session = self.device.attach(pid)
             session.on("detached", lambda reason, crash: self._on_detached(pid, reason))
             ring = self.rec.add_thread(pid, pid)
             self.watch(session, pid)
-            agent = self.rec.load_agent(session, pid, spawn=False, main_ring=None, park=False)
+            agent = self.rec.load_agent(
+                session, pid, False, None, park=False, forked_from=self.parents[pid]
+            )
             self._agents[session] = agent
             _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)}, False)
         except Exception as e:

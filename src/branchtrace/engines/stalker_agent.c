@@ -734,13 +734,13 @@ static int spared_fds(int *kept, uint32_t first, uint32_t last) {
     else
       f->fd = -1; /* Frida closed it, and the number is the program's from now on */
   }
-  lock_slots();
+  /* read without the slots lock, as current_thread does (a BtThread's page is never
+     unmapped): a forked child running this copied code may have inherited it held */
   for (int i = 0; i < STATE->nthreads; i++) {
     BtThread *t = STATE->threads[i];
     if (t != NULL && !t->closed && (uint32_t)t->w.fd >= first && (uint32_t)t->w.fd <= last)
       n = add_spared(kept, n, 256, t->w.fd);
   }
-  unlock_slots();
   return n;
 }
 

@@ -59,6 +59,14 @@ def thread_label(key: int) -> str:
     return str(key) if earlier == 0 else f"{key % GENERATION}#{earlier + 1}"
 
 
+def thread_of_file(name: str) -> int:
+    """The key of the thread a file of a recording is of (T300#2.stream.lz4: 300#2);
+    ValueError if it is not a thread's."""
+    if not name.startswith("T"):
+        raise ValueError(f"not a thread's file: {name!r}")
+    return parse_thread_label(name[1:].split(".")[0])
+
+
 def parse_thread_label(text: str) -> int:
     """The key a thread_label names ("id#1" is "id"); ValueError if `text` is not one."""
     match = re.fullmatch(r"([1-9][0-9]*)(?:#([1-9][0-9]*))?", text.strip())
@@ -218,7 +226,7 @@ class TraceDir:
         keys = set()
         for name in found:
             with contextlib.suppress(ValueError):  # not a store of ours
-                keys.add(parse_thread_label(name[1:]))
+                keys.add(thread_of_file(name))
         return sorted(keys)
 
     def words(self, tid: int) -> tuple[np.ndarray, int]:
