@@ -23,6 +23,7 @@ from branchtrace import (
     NotSupportedError,
     OverCapError,
     RingWriter,
+    StoreError,
     TaskTrace,
 )
 from branchtrace.store import (
@@ -41,6 +42,7 @@ from branchtrace.store.format import HEADER_SIZE, c_definitions, meta_entry
 from branchtrace.store.tracedir import (
     GENERATION,
     TraceDir,
+    drain_to_file,
     parse_thread_label,
     thread_id,
     thread_key,
@@ -485,3 +487,58 @@ def test_the_threads_of_a_directory_are_their_keys_in_order(tmp_path):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "Tnotes.bts").write_bytes(b"")
     assert TraceDir(tmp_path).threads() == [56, 300, 1000, thread_key(300, 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.integers(1, 3000),
+    packed=st.booleans(),
+    cut=st.floats(0, 1),
+)
+def test_a_recorder_killed_in_a_drain_leaves_every_record_readable_once(
+    tmp_path_factory, blocks, packed, cut
+):
+    # drain_to_file appends to the stream file, then releases the words from the ring: a
+    # recorder killed in between, or in the append, leaves the file ahead of the ring
+    d = TraceDir(tmp_path_factory.mktemp("t"))
+    ring = Ring.create(d.ring_path(77), 16384, Mode.STREAM, Flags.TRACE, chunk_size=1024)
+    consumer = RingReader(ring, consume=True)
+    fd = os.open(d.stream_path(77, packed=packed), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    writer_ring = Ring.open(ring.path, writable=True)
+    writer = RingWriter(writer_ring)
+    for i in range(1, blocks + 1):
+        writer.write(RecordType.BLOCK, 0, i << 4)
+        if i % 500 == 0 and i != blocks:
+            drain_to_file(consumer, fd, packed=packed)
+    writer.close()
+    writer_ring.close()
+    released_at, size_before = ring.tail, os.fstat(fd).st_size
+    consumer.advance = lambda pos: None  # killed before the release
+    drain_to_file(consumer, fd, packed=packed)
+    os.ftruncate(fd, size_before + int(cut * (os.fstat(fd).st_size - size_before)))
+    os.close(fd)
+    assert ring.tail == released_at
+
+    words, pos = d.words(77)
+
+    assert pos == 0
+    assert np.array_equal(parse_words(words)["a"], np.arange(1, blocks + 1, dtype=np.uint64) << 4)
+    ring.close()
+
+
+def test_a_stream_file_behind_its_ring_is_named_incomplete(tmp_path):
+    d = TraceDir(tmp_path)
+    ring = Ring.create(d.ring_path(77), 16384, Mode.STREAM, Flags.TRACE, chunk_size=1024)
+    consumer = RingReader(ring, consume=True)
+    fd = os.open(d.stream_path(77), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    writer = RingWriter(Ring.open(ring.path, writable=True))
+    for i in range(1, 1001):
+        writer.write(RecordType.BLOCK, 0, i << 4)
+        if i % 500 == 0:
+            drain_to_file(consumer, fd)
+    os.ftruncate(fd, os.fstat(fd).st_size - 8)  # a drained word lost
+    os.close(fd)
+    with pytest.raises(StoreError, match=r"T77.stream: holds 7992 bytes but the ring continues"):
+        d.words(77)
+    writer.close()
+    ring.close()

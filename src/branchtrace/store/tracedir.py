@@ -141,11 +141,34 @@ class TraceDir:
         if packed.exists():
             return read_packed(packed)
         raw = self.stream_path(tid)
-        if raw.exists() and raw.stat().st_size:
+        words = raw.stat().st_size // 8 if raw.exists() else 0
+        if words:
             # mapped, not read: a stream of 100M+ records is gigabytes, and the page cache
-            # already holds it
-            return np.memmap(raw, dtype="<u8", mode="r")
+            # already holds it.  Whole words only: a recorder killed in a write leaves part
+            # of one, which the ring still holds whole.
+            return np.memmap(raw, dtype="<u8", mode="r", shape=(words,))
         return None
+
+    def _after_drained(
+        self, tid: int, drained: np.ndarray, rest: np.ndarray, pos: int
+    ) -> np.ndarray:
+        """The ring's words `rest`, from stream position `pos`, that follow the `drained`
+        ones.  A recorder killed between appending a drain to the stream file and releasing
+        it from the ring (drain_to_file) leaves the file ahead of the ring: the ring still
+        holds those words, which must be the file's last ones."""
+        have = drained.size * 8
+        overlap = (have - pos) // 8
+        if have < pos or overlap > rest.size:
+            raise StoreError(
+                f"{self.stream_path(tid)}: holds {have} bytes but the ring continues at "
+                f"position {pos}: the recording is incomplete"
+            )
+        if overlap and not np.array_equal(rest[:overlap], drained[drained.size - overlap :]):
+            raise StoreError(
+                f"{self.stream_path(tid)}: its last {overlap * 8} bytes differ from the "
+                f"ring's at position {pos}: the recording is corrupt"
+            )
+        return rest[overlap:]
 
     def sched_path(self, tid: int) -> Path:
         return self.path / f"T{thread_label(tid)}.sched.npy"
@@ -241,11 +264,7 @@ class TraceDir:
         with Ring.open(self.ring_path(tid)) as ring:
             rest, pos = RingReader(ring).read_words()
             if drained is not None and drained.size:
-                if pos != drained.size * 8:
-                    raise StoreError(
-                        f"{self.stream_path(tid)}: holds {drained.size * 8} bytes but the "
-                        f"ring continues at position {pos}: the recording is incomplete"
-                    )
+                rest = self._after_drained(tid, drained, rest, pos)
                 parts.append(drained)
                 pos = 0
             if rest.size or not parts:
