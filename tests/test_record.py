@@ -875,7 +875,7 @@ def test_attached_with_follow_fork_the_parent_stays_traced_while_children_live_o
 
 def test_attached_with_follow_fork_a_child_whose_child_lives_on_stays_traced(tmp_path, programs):
     # a forked child parks no thread of its own: its parent's, inherited, holds off Frida
-    # in the grandchild as well (stalker_agent.c, bt_park)
+    # in the grandchild as well (park in stalker_agent.js)
     nested = programs["nested"]
     with attach_target(nested, 200000, "wait", stdin=subprocess.PIPE) as target:
         status, err = attached_until_the_end(tmp_path / "d", target, "stream", "--follow-fork")
@@ -896,9 +896,10 @@ def test_attached_with_follow_fork_a_child_whose_child_lives_on_stays_traced(tmp
 def test_a_forked_childs_session_frida_drops_is_reported_not_taken_for_its_end(
     tmp_path, programs, monkeypatch
 ):
-    # The parked thread keeps Frida from dropping a child's session (stalker_agent.c,
-    # bt_park); should it all the same, as it did before, that used to pass for the child's
-    # end, silently.  Here Frida is made to report a drop for the child once it is traced.
+    # The parked thread keeps Frida from dropping a child's session (park in
+    # stalker_agent.js); should it all the same, as it did before, that used to pass for the
+    # child's end, silently.  Here Frida is made to report a drop for the child once it is
+    # traced.
     from branchtrace.engines import stalker
     from branchtrace.engines.base import RecordOptions, Target
 

@@ -298,7 +298,13 @@ def _hold_forks_quietly(agent: _Agent) -> None:
         agent.stuck = True
         agent.frozen = counters.frozen()
         raise AgentTimeoutError("a fork() still under way")
-    _wait_for_forks(agent, 3)  # and, now that none is under way, at the gate in front too
+    try:
+        _wait_for_forks(agent, 3)  # and, now that none is under way, at the gate in front too
+    except Exception:
+        # an agent that does not answer would never let them go: the process's next fork()
+        # would wait for good (a shell's subshell did, 2 attaches in 10)
+        counters.let_go()
+        raise
     counters.hold(False)  # those that waited at the entry go on; then none is under way
 
 
@@ -376,6 +382,7 @@ class _ForkCounters:
         self.held = int(where["held"], 16)
         self.in_flight = int(where["inFlight"], 16)
         self.passing = int(where["passing"], 16)
+        self.gated = int(where["gated"], 16)
         self._held = StopClock()  #: see _held_by_frida
 
     def _under_way(self, mem: int) -> bool:
@@ -405,6 +412,17 @@ class _ForkCounters:
             return False
         finally:
             os.close(mem)
+
+    def let_go(self) -> None:
+        """Every fork() held at its entry or at the gate in front goes on (they look every
+        millisecond), with no call to the agent."""
+        with contextlib.suppress(OSError):
+            mem = os.open(f"/proc/{self.pid}/mem", os.O_RDWR)
+            try:
+                for word in (self.held, self.gated):
+                    os.pwrite(mem, bytes(4), word)
+            finally:
+                os.close(mem)
 
     def hold(self, held: bool, wait: bool = True) -> bool | None:
         """New fork() calls wait at fork()'s entry (`held`) or no longer; True once none is
@@ -575,7 +593,7 @@ class _Recording:
         """Load the agent into the process of `session`; raises if it does not start.  With
         `park` (--follow-fork) the agent parks a thread of its own, without which Frida drops
         our session with the process once a child it forked has closed its copy of the
-        script (stalker_agent.c, bt_park); a forked child is covered by its parent's.
+        script (park in stalker_agent.js); a forked child is covered by its parent's.
         `init`: a spawned program's init_offset, where tracing starts.  `before`: what the
         process had open before Frida came in (_open_files); `forked_from`: else, the
         parent of the forked child it is."""
@@ -1250,6 +1268,14 @@ class _ForkFollower:
                 continue
             with contextlib.suppress(Exception):
                 if agent is not None:
+                    # Its threads are let go first (the recording of the process ends
+                    # here): with fork() restored, a followed thread's next fork() has
+                    # Stalker recompile the block at fork()'s entry, larger than the hooked
+                    # one, and Frida 17 then links that block's callouts into stale code;
+                    # freeing the thread's Stalker state at the end follows the link and
+                    # kills the program (docs/fork.md, section 8).  The agent's stop() comes
+                    # later, after the message that lets held forks go: it lets them go too.
+                    _bounded(agent.script.exports_sync.unfollow)
                     _hold_forks_quietly(agent)
                 _bounded(session.disable_child_gating)
             if agent is not None and not agent.stuck:

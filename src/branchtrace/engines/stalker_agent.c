@@ -118,8 +118,8 @@ typedef struct {
   volatile int ic_done;
   int forks_held;        /* bt_hold_forks(): fork() waits at its entry meanwhile */
   int forks_in_flight;   /* threads between fork()'s entry and its end (bt_on_fork_done) */
-  volatile int parked;   /* the parked thread's tid, once it waits in bt_park() */
-  volatile int unpark;   /* it may return */
+  volatile int parked;   /* the parked thread's tid, once it waits (park() in the script) */
+  int unused;            /* keeps the offsets the script writes (PARKED + 8 ...) */
   int forks_gated;       /* bt_fork_gate(): fork() calls wait before fork() meanwhile */
   int forks_passing;     /* threads past that gate and not yet back from fork() */
   int returns_held;      /* bt_on_fork_return(): threads out of a fork() begun before the
@@ -578,27 +578,6 @@ int bt_fork_gate(void) {
   return pid;
 }
 
-/* --follow-fork: every child Frida holds inherits this script, and Frida in the child closes
-   it once nothing holds it there; the close reaches the host under the session id the child
-   inherited, which is ours, and the host then drops our session with the traced process
-   (reason "application-requested") and unloads the agent from it.  A thread of ours parked
-   inside bt_park(), hooked by this script with a leave listener, holds the hook's use count
-   at one, and a forked child copies that count without the thread: in the child the hook
-   can never be freed, and while any hook waits to be freed Gum has every closing script
-   wait, so no script there finishes closing -- nor in a grandchild, which inherits the
-   count too, so a child's own agent parks nothing.
-   (A spawned program, its main thread inside main() through the hook that starts tracing,
-   was so protected by chance while main() ran.)  The parked thread ends when the recording
-   does (bt_unpark); it is bt_park itself, so no code of this module runs after it has left
-   the hook, and nobody waits for it (a fork under way then can hold up its exit). */
-void *bt_park(void *arg) {
-  STATE->parked = (int)syscall(186 /* gettid */);
-  while (!STATE->unpark)
-    bt_futex_wait((uint32_t *)&STATE->unpark, 0, 1000000000L);
-  return 0;
-}
-
-void bt_park_listener(GumInvocationContext *ic) {}
 
 static void write_block_far(BtThread *t, uint64_t record);
 
@@ -776,11 +755,6 @@ static void on_close(GumCpuContext *cpu, gpointer user_data) {
   if (cpu->rdi <= 0xffffffffu && spared_fds(kept, (uint32_t)cpu->rdi, (uint32_t)cpu->rdi) > 0 &&
       !in_forked_child()) /* last: a system call */
     cpu->rdi = (uint64_t)-1;
-}
-
-void bt_unpark(void) {
-  STATE->unpark = 1;
-  bt_futex_wake((uint32_t *)&STATE->unpark);
 }
 
 /* Signal handlers: the kernel enters them natively, outside Stalker's code cache, so their

@@ -14,8 +14,8 @@ state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
 state.add(8 + 8 * 4096 + 8).writeU64(0); // no fork held or under way
-const PARKED = 8 + 8 * 4096 + 16; // BtState.parked: the parked thread's tid (bt_park)
-state.add(PARKED).writeU64(0); // none yet, and it need not return
+const PARKED = 8 + 8 * 4096 + 16; // BtState.parked: the parked thread's tid (park)
+state.add(PARKED).writeU64(0); // no parked thread (park)
 state.add(PARKED + 8).writeU64(0); // no fork() gated or past the gate
 state.add(PARKED + 16).writeU32(0); // no thread held where a fork() returns
 state.add(PARKED + 20).writeU32(0); // the thread slots are free to take
@@ -134,34 +134,87 @@ const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
   ['pointer', 'pointer', 'pointer', 'pointer']);
 const pthreadDetach = new NativeFunction(libc('pthread_detach'), 'int', ['pointer']);
-const unpark = new NativeFunction(cm.bt_unpark, 'void', []);
+const syscall3 = new NativeFunction(libc('syscall'), 'long', ['long', '...', 'pointer', 'int', 'int']);
 const holdReturns = new NativeFunction(cm.bt_hold_returns, 'void', ['int']);
 
-// --follow-fork: a thread of ours waits inside bt_park() until the end, so that Frida never
-// finishes closing this script in a forked child (see bt_park in stalker_agent.c).  Parked
-// before any fork is traced: before tracing starts, so the thread observer passes it by.
-let parked = false;
+// --follow-fork: every child Frida holds inherits this script, and Frida in the child closes
+// it once nothing holds it there; the close reaches the host under the session id the child
+// inherited, which is ours, and the host then drops our session with the traced process
+// (reason "application-requested") and unloads the agent from it.  A thread of ours parked
+// inside a function hooked by this script with a leave listener holds the hook's use count
+// at one, and a forked child copies that count without the thread: in the child the hook
+// can never be freed, and while any hook waits to be freed Gum has every closing script
+// wait, so no script there finishes closing -- nor in a grandchild, which inherits the
+// count too, so a child's own agent parks nothing.  (A spawned program, its main thread
+// inside main() through the hook that starts tracing, was so protected by chance while
+// main() ran.)  Parked before any fork is traced: before tracing starts, so the thread
+// observer passes it by.
+// The parked thread's code, its listener and its words are in pages of their own, never
+// freed: nobody waits for it to end (a fork under way can hold up its exit), so nothing
+// orders its way out, once let go, before Frida unloads this script and frees the CModule
+// (and with it code it used to wait in).
+const mmap = new NativeFunction(libc('mmap'), 'pointer',
+  ['pointer', 'size_t', 'int', 'int', 'int', 'long']);
+const parkingCode = () => {
+  const page = mmap(NULL, 8192, 3 /* PROT_READ|PROT_WRITE */, 0x22 /* MAP_PRIVATE|ANONYMOUS */,
+    -1, 0);
+  if (page.equals(ptr(-1))) {
+    return null;
+  }
+  const words = page.add(4096); // u32: it may return; s32: its tid, once it waits
+  const w = new X86Writer(page);
+  w.putNopPadding(16); // room for the hook's jump
+  w.putMovRegU32('eax', 186); // gettid
+  w.putBytes([0x0f, 0x05]); // syscall
+  w.putMovRegOffsetPtrReg('rdi', 4, 'eax');
+  w.putLabel('wait');
+  w.putMovRegRegOffsetPtr('eax', 'rdi', 0);
+  w.putTestRegReg('eax', 'eax');
+  w.putJccShortLabel('jne', 'return', 'no-hint');
+  w.putXorRegReg('esi', 'esi'); // FUTEX_WAIT
+  w.putXorRegReg('edx', 'edx'); // while the word is 0
+  w.putMovRegU64('r10', 0); // for good
+  w.putMovRegU32('eax', 202); // futex
+  w.putBytes([0x0f, 0x05]); // syscall
+  w.putJmpShortLabel('wait');
+  w.putLabel('return');
+  w.putXorRegReg('eax', 'eax');
+  w.putRet();
+  const listener = page.add(w.offset);
+  w.putRet();
+  w.flush();
+  Memory.protect(page, 4096, 'r-x');
+  return { start: page, listener, words };
+};
+let parking = null;
 function park() {
-  if (!PARAMS.park || parked || !inTracedProcess()) {
+  if (!PARAMS.park || parking !== null || !inTracedProcess()) {
     return;
   }
-  Interceptor.attach(cm.bt_park, { onEnter: cm.bt_park_listener, onLeave: cm.bt_park_listener });
+  const code = parkingCode();
+  if (code === null) {
+    send({ type: 'error', message: "no memory for the agent's parked thread" });
+    return;
+  }
+  Interceptor.attach(code.start, { onEnter: code.listener, onLeave: code.listener });
   const handle = Memory.alloc(8);
-  const rc = pthreadCreate(handle, NULL, cm.bt_park, NULL);
+  const rc = pthreadCreate(handle, NULL, code.start, code.words);
   if (rc !== 0) {
     send({ type: 'error', message: `cannot start the agent's parked thread (error ${rc})` });
     return;
   }
   pthreadDetach(handle.readPointer());
-  parked = true;
-  while (state.add(PARKED).readS32() === 0) {
+  parking = code;
+  while (code.words.add(4).readS32() === 0) {
     Thread.sleep(0.0005);
   }
+  state.add(PARKED).writeS32(code.words.add(4).readS32());
 }
 function release() {
-  if (parked) {
-    unpark();
-    parked = false;
+  if (parking !== null) {
+    parking.words.writeU32(1);
+    syscall3(202 /* futex */, parking.words, 1 /* FUTEX_WAKE */, 1);
+    parking = null;
   }
 }
 
@@ -457,6 +510,7 @@ rpc.exports = {
       held: state.add(PARKED - 8).toString(), // BtState.forks_held
       inFlight: state.add(PARKED - 4).toString(), // BtState.forks_in_flight
       passing: state.add(PARKED + 12).toString(), // BtState.forks_passing
+      gated: state.add(PARKED + 8).toString(), // BtState.forks_gated
     };
   },
   // Once Frida's fork() hook is in (child gating): a fork() counts as under way until
@@ -506,9 +560,13 @@ rpc.exports = {
   stop() {
     return finish();
   },
+  // Lets go of the threads, before child gating goes off; stop() ends the rest.
+  unfollow() {
+    unfollowAll();
+  },
   // Frida unloads the script without stop() when the host is gone or drops the session: the
   // rings are closed all the same, and the parked thread must return for the unload to end.
-  // Not in a forked child, where Frida closes its copy of this script (bt_park).  Frida
+  // Not in a forked child, where Frida closes its copy of this script (park).  Frida
   // also calls it as the program enters exit(), _exit() or abort(), to stop everything
   // there; but what exit() runs (atexit handlers, destructors, the stdio flush) is the
   // program's code, and a crash there is one to debug: the threads stay followed, each
@@ -529,19 +587,23 @@ rpc.exports = {
   },
 };
 
-let finished = null;
-function finish() {
-  if (finished !== null) {
-    return finished;
-  }
+function unfollowAll() {
   tracing = false;
-  const stillInFork = [...returning.keys()];
-  returning.clear();
   for (const tid of threads.keys()) {
     Stalker.unfollow(tid);
   }
   Stalker.flush();
   Stalker.garbageCollect();
+}
+
+let finished = null;
+function finish() {
+  if (finished !== null) {
+    return finished;
+  }
+  unfollowAll();
+  const stillInFork = [...returning.keys()];
+  returning.clear();
   let far = farOfEarlier;
   for (const t of threads.values()) {
     far += threadFarBlocks(t).toNumber();
