@@ -944,6 +944,27 @@ def test_after_fork_the_parent_trace_goes_straight_back_to_its_caller(tmp_path, 
     assert after_fork == ["main"] * rounds, names
 
 
+@pytest.mark.parametrize("follow_fork", [True, False], ids=["follow-fork", "no-follow-fork"])
+def test_attached_to_a_program_closing_files_all_the_time_it_runs_on_after(
+    tmp_path, programs, follow_fork
+):
+    # Stalker lets go of a thread only where it next passes through Stalker, and a loop of
+    # compiled blocks ran on in its copy of Frida's close() hook after child gating removed
+    # the hook: the program died of SIGSEGV at the end of 16 recordings of 16 with
+    # --follow-fork (stalker_agent.js, unfollowAll)
+    options = ["--follow-fork"] if follow_fork else []
+    with attach_target(programs["closeloop"], stdin=subprocess.PIPE) as target:
+        res = record(tmp_path / "d", *options, "--duration", "0.5", "-p", str(target.pid))
+        time.sleep(0.2)  # it runs on untraced
+        out, _ = target.communicate("\n", timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert target.returncode == 0, res.stderr
+    rounds = int(out)
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert 20 < calls_to(trace, tid, programs["closeloop"], "f") < rounds - 20
+
+
 def test_attaching_to_a_program_forking_every_2ms_leaves_no_child_stuck(tmp_path, programs):
     # Without the release, about half of these attaches left a child spinning in exit() on
     # Frida's heap lock and the program waiting for it for good (docs/fork.md).

@@ -5,6 +5,12 @@
 // snapshots, notesPath, spared}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
+// Where this script's hooks are (leaveStalker).
+const hookedAt = [];
+function attach(target, callbacks) {
+  hookedAt.push(target);
+  return Interceptor.attach(target, callbacks);
+}
 // Asked once per compiled block (never per execution): blocks of Frida's own code, such as
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
@@ -97,7 +103,7 @@ const newHandler = new NativeCallback((handler) => {
   const key = handler.toString();
   if (!hookedHandlers.has(key)) {
     hookedHandlers.add(key);
-    Interceptor.attach(handler, { onEnter: cm.bt_on_handler_entry });
+    attach(handler, { onEnter: cm.bt_on_handler_entry });
   }
 }, 'void', ['pointer']);
 const cm = new CModule(PARAMS.cSource, {
@@ -297,22 +303,22 @@ Process.attachThreadObserver({
 // After the thread observer, so that it runs after the registry's own hook (see followAgain).
 const tlsDtors = Module.findGlobalExportByName('__call_tls_dtors');
 if (tlsDtors !== null) {
-  Interceptor.attach(tlsDtors, { onEnter: cm.bt_on_tls_dtors });
+  attach(tlsDtors, { onEnter: cm.bt_on_tls_dtors });
 }
 
 // Signal handlers run untraced; their entries are marked (see stalker_agent.c).
 for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
   const f = Module.findGlobalExportByName(name);
   if (f !== null) {
-    Interceptor.attach(f, { onEnter: cm.bt_on_signal });
+    attach(f, { onEnter: cm.bt_on_signal });
   }
 }
-Interceptor.attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
+attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
 
 // fork(): handled in C, because no JavaScript can run in a forked child (unless Frida gates
 // it, with --follow-fork: then this script lives on in the child too, doing nothing there).
-Interceptor.attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
-let forkDone = Interceptor.attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
+attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
+let forkDone = attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
 
 // A spawned program is traced from the first of these its main thread runs: the
 // executable's _init, where Frida holds it (libc calls _init right before the executable's
@@ -331,7 +337,7 @@ if (PARAMS.spawn) {
   }
   let started = false;
   for (const [name, at] of starts) {
-    Interceptor.attach(at, {
+    attach(at, {
       onEnter() {
         if (!started) {
           started = true;
@@ -354,7 +360,7 @@ for (const [index, trigger] of PARAMS.triggers.entries()) {
     send({ type: 'error', message: `trigger ${trigger.label}: ${trigger.path} is not loaded` });
     continue;
   }
-  Interceptor.attach(module.base.add(trigger.offset), {
+  attach(module.base.add(trigger.offset), {
     onEnter() {
       if (!tracing || snapshotsLeft <= 0 || !inTracedProcess()) return;
       snapshotsLeft -= 1;
@@ -423,7 +429,7 @@ function findForksBegunBefore(tids) {
       }
       const key = back.toString();
       if (!probedReturns.has(key)) {
-        Interceptor.attach(back, cm.bt_on_fork_return);
+        attach(back, cm.bt_on_fork_return);
         probedReturns.add(key);
       }
       forksBegunBefore.set(tid, null);
@@ -517,7 +523,7 @@ rpc.exports = {
   // Frida's recovery from it is done too (bt_on_fork_done).  Only while no fork() is under
   // way and new ones are held at fork()'s entry: for a moment both listeners are attached.
   forkDoneLast() {
-    const last = Interceptor.attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
+    const last = attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
     forkDone.detach();
     forkDone = last;
   },
@@ -587,13 +593,47 @@ rpc.exports = {
   },
 };
 
+// Stalker lets go of another thread only where the thread next passes through Stalker's
+// own code, and code Stalker has compiled jumps straight from block to block: a thread in a
+// loop runs on in it after unfollow(), through its compiled copies of the hooks' code.  Once
+// a hook is gone (Frida's on close() as child gating goes off: its fd guard; ours as this
+// script unloads) such a copy calls into what Frida freed, and the program dies (attached
+// with --follow-fork to a program closing a file every millisecond: 16 of 16).  So every
+// hooked function's block is invalidated too: a thread that reaches one goes through
+// Stalker, which lets go of it there, and the function runs natively.
 function unfollowAll() {
   tracing = false;
+  const hooks = [...hookedAt, cm.bt_fork_gate, ...fridaHooks()];
   for (const tid of threads.keys()) {
     Stalker.unfollow(tid);
+    for (const at of hooks) {
+      Stalker.invalidate(tid, at);
+    }
   }
   Stalker.flush();
   Stalker.garbageCollect();
+}
+
+// Frida's own hooks in libc (child gating's on fork(), exec*() and close(), its exit
+// monitor's): functions whose first instruction jumps into Frida's memory.
+function fridaHooks() {
+  const found = [];
+  for (const e of Process.getModuleByAddress(libc('close')).enumerateExports()) {
+    if (e.type !== 'function') {
+      continue;
+    }
+    let insn = null;
+    try {
+      insn = Instruction.parse(e.address);
+    } catch (_) {
+      continue; // not code
+    }
+    if (insn.mnemonic === 'jmp' && insn.operands[0].type === 'imm' &&
+        Cloak.hasRangeContaining(ptr(insn.operands[0].value.toString()))) {
+      found.push(e.address);
+    }
+  }
+  return found;
 }
 
 let finished = null;
