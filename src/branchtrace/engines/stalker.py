@@ -1268,15 +1268,17 @@ class _ForkFollower:
                 continue
             with contextlib.suppress(Exception):
                 if agent is not None:
-                    # Its threads are let go first (the recording of the process ends
-                    # here): with fork() restored, a followed thread's next fork() has
-                    # Stalker recompile the block at fork()'s entry, larger than the hooked
-                    # one, and Frida 17 then links that block's callouts into stale code;
-                    # freeing the thread's Stalker state at the end follows the link and
-                    # kills the program (docs/fork.md, section 8).  The agent's stop() comes
-                    # later, after the message that lets held forks go: it lets them go too.
-                    _bounded(agent.script.exports_sync.unfollow)
                     _hold_forks_quietly(agent)
+                    # Its threads are let go before Frida's hooks go (the recording of the
+                    # process ends here), each out of Stalker at the next hooked function
+                    # it reaches (unfollowAll in stalker_agent.js): one still running code
+                    # Stalker compiled with a hook in place either went on into the removed
+                    # hook, or had Stalker recompile the block into a larger one, which
+                    # Frida 17 does wrong when the block has callouts; either way the
+                    # program died (docs/fork.md, section 8).  Only now that forks wait: a
+                    # call's answer on its way as the program forks kills the child.  The
+                    # agent's stop() comes later, after the message that lets them go.
+                    _bounded(agent.script.exports_sync.unfollow)
                 _bounded(session.disable_child_gating)
             if agent is not None and not agent.stuck:
                 _release_forks(agent)
