@@ -200,8 +200,31 @@ def test_a_process_held_stopped_by_a_thread_of_ours_is_found_and_not_one_traced_
 
 
 def counters_at(pid: int, address: int) -> stalker._ForkCounters:
-    where = {"held": hex(address), "inFlight": hex(address + 4), "passing": hex(address + 8)}
+    where = {
+        "held": hex(address),
+        "inFlight": hex(address + 4),
+        "passing": hex(address + 8),
+        "gated": hex(address + 12),
+    }
     return stalker._ForkCounters(pid, where)
+
+
+def test_forks_held_by_an_agent_that_does_not_answer_are_let_go_through_memory(forkcounters):
+    pid, address = forkcounters
+    counters = counters_at(pid, address)
+    assert counters.hold(True, wait=False) is True
+    mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+    try:
+        os.pwrite(mem, (1).to_bytes(4, "little"), counters.gated)
+        at = (counters.held, counters.in_flight, counters.passing, counters.gated)
+        assert [int.from_bytes(os.pread(mem, 4, a), "little") for a in at] == [1, 1, 0, 1]
+
+        counters.let_go()
+
+        # the count of forks under way is not the recorder's to change
+        assert [int.from_bytes(os.pread(mem, 4, a), "little") for a in at] == [0, 1, 0, 0]
+    finally:
+        os.close(mem)
 
 
 def test_a_process_held_stopped_by_frida_with_a_fork_under_way_is_frozen_after_a_while(

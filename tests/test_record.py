@@ -950,7 +950,7 @@ def test_attached_to_a_program_closing_files_all_the_time_it_runs_on_after(
 ):
     # Stalker lets go of a thread only where it next passes through Stalker, and a loop of
     # compiled blocks ran on in its copy of Frida's close() hook after child gating removed
-    # the hook: the program died of SIGSEGV at the end of 16 recordings of 16 with
+    # the hook: the program died of SIGSEGV at the end of 10 recordings of 10 with
     # --follow-fork (stalker_agent.js, unfollowAll)
     options = ["--follow-fork"] if follow_fork else []
     with attach_target(programs["closeloop"], stdin=subprocess.PIPE) as target:

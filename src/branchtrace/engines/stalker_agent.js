@@ -598,7 +598,7 @@ rpc.exports = {
 // loop runs on in it after unfollow(), through its compiled copies of the hooks' code.  Once
 // a hook is gone (Frida's on close() as child gating goes off: its fd guard; ours as this
 // script unloads) such a copy calls into what Frida freed, and the program dies (attached
-// with --follow-fork to a program closing a file every millisecond: 16 of 16).  So every
+// with --follow-fork to a program closing a file every millisecond: 10 of 10).  So every
 // hooked function's block is invalidated too: a thread that reaches one goes through
 // Stalker, which lets go of it there, and the function runs natively.
 function unfollowAll() {
