@@ -568,7 +568,8 @@ rpc.exports = {
   stop() {
     return finish();
   },
-  // Lets go of the threads, before child gating goes off; stop() ends the rest.
+  // Ends the trace and lets go of the threads, before child gating goes off; stop() does
+  // the rest.
   unfollow() {
     unfollowAll();
   },
@@ -607,20 +608,34 @@ function unfollowAll() {
   tracing = false;
   const hooks = [...hookedAt, cm.bt_fork_gate, ...fridaHooks()];
   const count = Memory.alloc(8);
+  const compiled = [];
   for (const [tid, t] of threads) {
     Stalker.unfollow(tid);
-    for (const at of hooks) {
-      Stalker.invalidate(tid, at);
-    }
     // and every block it compiled, so that it leaves Stalker at the next block it enters:
     // else a loop of compiled blocks ran on in Stalker after the detach, slower, and kept
     // Frida's agent loaded (50 threads calling usleep() in a loop: still 10 s later)
     const table = threadBlocks(t, count);
+    const blocks = [];
     if (!table.isNull()) {
       const n = count.readU64().toNumber();
       for (let id = 1; id < n; id++) {
-        Stalker.invalidate(tid, ptr(table.add(8 * id).readU64().and(BLOCK_ADDR_MASK)));
+        blocks.push(ptr(table.add(8 * id).readU64().and(BLOCK_ADDR_MASK)));
       }
+    }
+    compiled.push([tid, blocks]);
+  }
+  // The trace ends here.  Each invalidation lets other threads run this script's callbacks,
+  // and a fork() met meanwhile wrote its GAP into a ring left open (slowfork: 11 GAPs, 9
+  // calls of f between them).
+  for (const t of threads.values()) {
+    threadClose(t);
+  }
+  for (const [tid, blocks] of compiled) {
+    for (const at of hooks) {
+      Stalker.invalidate(tid, at);
+    }
+    for (const at of blocks) {
+      Stalker.invalidate(tid, at);
     }
   }
   Stalker.flush();
@@ -660,7 +675,6 @@ function finish() {
   let far = farOfEarlier;
   for (const t of threads.values()) {
     far += threadFarBlocks(t).toNumber();
-    threadClose(t);
   }
   threads.clear();
   release();
