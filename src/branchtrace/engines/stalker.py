@@ -1270,8 +1270,8 @@ class _ForkFollower:
                 if agent is not None:
                     _hold_forks_quietly(agent)
                     # Its threads are let go before Frida's hooks go (the recording of the
-                    # process ends here), each out of Stalker at the next block it enters
-                    # (unfollowAll in stalker_agent.js): one still running code
+                    # process ends here), each out of Stalker at the next hooked function
+                    # it reaches (unfollowAll in stalker_agent.js): one still running code
                     # Stalker compiled with a hook in place either went on into the removed
                     # hook, or had Stalker recompile the block into a larger one, which
                     # Frida 17 does wrong when the block has callouts; either way the

@@ -1426,10 +1426,3 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
 uint64_t bt_thread_far_blocks(BtThread *t) {
   return t->far_blocks;
 }
-
-/* The thread's block table (block id -> BLOCK word, from id 1) and, through `count`, how
-   many ids it holds; NULL once its ring is closed (the thread ended). */
-uint64_t *bt_thread_blocks(BtThread *t, uint64_t *count) {
-  *count = t->next_id;
-  return t->closed ? NULL : t->table;
-}

@@ -35,7 +35,6 @@ spared.forEach(([fd, isEventfd, id], i) => {
   at.add(8).writeU64(uint64(id.toString()));
 });
 const GAP_FORK = 1;
-const BLOCK_ADDR_MASK = uint64('0x7fffffffffff'); // a BLOCK word's start address (docs/format.md)
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
 // process passes here, followed or not, so that a follow asked for meanwhile (attaching
@@ -137,7 +136,6 @@ const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', 'pointer']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
-const threadBlocks = new NativeFunction(cm.bt_thread_blocks, 'pointer', ['pointer', 'pointer']);
 const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
   ['pointer', 'pointer', 'pointer', 'pointer']);
@@ -607,34 +605,20 @@ rpc.exports = {
 function unfollowAll() {
   tracing = false;
   const hooks = [...hookedAt, cm.bt_fork_gate, ...fridaHooks()];
-  const count = Memory.alloc(8);
-  const compiled = [];
-  for (const [tid, t] of threads) {
+  for (const tid of threads.keys()) {
     Stalker.unfollow(tid);
-    // and every block it compiled, so that it leaves Stalker at the next block it enters:
-    // else a loop of compiled blocks ran on in Stalker after the detach, slower, and kept
-    // Frida's agent loaded (50 threads calling usleep() in a loop: still 10 s later)
-    const table = threadBlocks(t, count);
-    const blocks = [];
-    if (!table.isNull()) {
-      const n = count.readU64().toNumber();
-      for (let id = 1; id < n; id++) {
-        blocks.push(ptr(table.add(8 * id).readU64().and(BLOCK_ADDR_MASK)));
-      }
-    }
-    compiled.push([tid, blocks]);
   }
   // The trace ends here.  Each invalidation lets other threads run this script's callbacks,
   // and a fork() met meanwhile wrote its GAP into a ring left open (slowfork: 11 GAPs, 9
-  // calls of f between them).
+  // calls of f between them, when every block was invalidated).  Not every block: Gum
+  // stops the thread with ptrace for each block it finds, and retries for as long as the
+  // thread is in that block -- for good, for a thread asleep in a system call there (a
+  // shell in wait4(): the agent did not answer).
   for (const t of threads.values()) {
     threadClose(t);
   }
-  for (const [tid, blocks] of compiled) {
+  for (const tid of threads.keys()) {
     for (const at of hooks) {
-      Stalker.invalidate(tid, at);
-    }
-    for (const at of blocks) {
       Stalker.invalidate(tid, at);
     }
   }
