@@ -128,10 +128,48 @@ typedef struct {
   int nspared;           /* on_close_range(): Frida's files, which it leaves open */
   int spared_pad;
   BtSpared spared[BT_MAX_SPARED];
+  /* is_frida_code(): replaced whole, never changed (x86 keeps the script's stores in order) */
+  const struct BtCodeMap *volatile code_map;
 } BtState;
 
 extern uint8_t bt_state[];
 #define STATE ((BtState *)bt_state)
+
+/* Where code is, for is_frida_code(): Frida's agent, and the modules of the program,
+   sorted by start, as the script last saw them (stalker_agent.js, publishCodeMap). */
+typedef struct {
+  uint64_t start, end;
+} BtRange;
+struct BtCodeMap {
+  uint64_t count;
+  BtRange agent;
+  BtRange modules[];
+};
+
+/* Whether a block starts in Frida's code (the hook that started tracing, the return from
+   Stalker.follow() of a new thread through Frida's code), which gets no record.  Asked
+   once per compiled block.  The script's Cloak answers only for code in neither range:
+   a thread compiling a block of Frida's agent, or of libc called from it, may hold a lock
+   of the agent's (GLib's signal lock), and the script's lock, which the answer needs, may
+   be held by a thread waiting for that one (a new thread's Stalker.garbageCollect()). */
+static int is_frida_code(uint64_t address) {
+  const struct BtCodeMap *map = STATE->code_map;
+  if (map != NULL) {
+    if (address >= map->agent.start && address < map->agent.end)
+      return 1;
+    uint64_t lo = 0, hi = map->count;
+    while (lo < hi) {
+      uint64_t mid = (lo + hi) / 2;
+      if (address < map->modules[mid].start)
+        hi = mid;
+      else if (address >= map->modules[mid].end)
+        lo = mid + 1;
+      else
+        return 0;
+    }
+  }
+  return bt_is_frida_code(address);
+}
 
 static int in_forked_child(void) {
   return (uint32_t)getpid() != STATE->pid;
@@ -1371,7 +1409,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   }
   widen_inline_cache(iterator);
   while (gum_stalker_iterator_next(iterator, &insn)) {
-    if (first && bt_is_frida_code(insn->address)) {
+    if (first && is_frida_code(insn->address)) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */
     } else if (first && (insn->address >> BT_BLOCK_ADDR_BITS) != 0) {
       /* TODO(LA57): only with 5-level paging; counted and reported, never silent */

@@ -15,7 +15,7 @@ function attach(target, callbacks) {
 // the hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 304); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 312); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -34,6 +34,46 @@ spared.forEach(([fd, isEventfd, id], i) => {
   at.add(4).writeU32(isEventfd);
   at.add(8).writeU64(uint64(id.toString()));
 });
+const CODE_MAP = PARKED + 288; // BtState.code_map
+state.add(CODE_MAP).writePointer(NULL);
+
+// Frida's agent: where /proc/self/maps names it (Frida hides it from Process' modules).
+function agentRange() {
+  let start = null;
+  let end = null;
+  let maps = '';
+  try {
+    maps = File.readAllText('/proc/self/maps');
+  } catch (e) {
+    // no /proc: Frida's Cloak answers for the agent's code too, as it did for all code
+  }
+  for (const line of maps.split('\n')) {
+    if (line.includes('frida-agent')) {
+      const [lo, hi] = line.split(' ')[0].split('-').map((x) => uint64('0x' + x));
+      start = start === null || lo.compare(start) < 0 ? lo : start;
+      end = end === null || hi.compare(end) > 0 ? hi : end;
+    }
+  }
+  return start === null ? [uint64(0), uint64(0)] : [start, end];
+}
+const agentCode = agentRange();
+// Every map published stays: a compiling thread may still be reading an earlier one.
+const codeMaps = [];
+function publishCodeMap() {
+  const modules = Process.enumerateModules()
+    .map((m) => [uint64(m.base.toString()), uint64(m.base.add(m.size).toString())])
+    .sort((a, b) => a[0].compare(b[0]));
+  const map = Memory.alloc(24 + 16 * modules.length); // BtCodeMap
+  map.writeU64(modules.length);
+  map.add(8).writeU64(agentCode[0]);
+  map.add(16).writeU64(agentCode[1]);
+  modules.forEach(([start, end], i) => {
+    map.add(24 + 16 * i).writeU64(start);
+    map.add(32 + 16 * i).writeU64(end);
+  });
+  codeMaps.push(map);
+  state.add(CODE_MAP).writePointer(map);
+}
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
 // unfollowed on the way in, followed again on the way out.  Every fork() of the traced
@@ -275,10 +315,21 @@ function sendModule(event, m) {
   send({ type: 'module', event, base: m.base.toString(), size: m.size, path: m.path, name: m.name });
 }
 
+let observingModules = false; // the observer reports the modules already loaded first
 Process.attachModuleObserver({
-  onAdded(m) { sendModule('load', m); },
-  onRemoved(m) { sendModule('unload', m); },
+  onAdded(m) {
+    if (observingModules) {
+      publishCodeMap();
+    }
+    sendModule('load', m);
+  },
+  onRemoved(m) {
+    publishCodeMap();
+    sendModule('unload', m);
+  },
 });
+observingModules = true;
+publishCodeMap();
 
 Process.attachThreadObserver({
   onAdded(thread) {
