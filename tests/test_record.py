@@ -617,6 +617,26 @@ def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, program
     assert 20 < calls < rounds - 20  # about 0.5 s of a 2 ms loop
 
 
+@pytest.mark.parametrize("follow_fork", [False, True], ids=["", "follow-fork"])
+def test_attached_to_a_program_with_a_sigchld_handler_it_is_traced_and_runs_on(
+    tmp_path, programs, follow_fork
+):
+    # Gum reads and moves another thread through a helper on an 8 KiB stack that ptraces it
+    # and so gets a SIGCHLD; the program's handler ran there and the helper died of it: every
+    # such attach (4 of 4) ended "did not answer" with the program stuck, until the agent
+    # blocked signals in the thread that starts the helpers (withSignalsBlocked)
+    flags = ["--follow-fork"] if follow_fork else []
+    with attach_target(programs["sigchld"], 20) as target:
+        res = record(tmp_path / "d", *flags, "-p", str(target.pid), "--duration", "0.5")
+        out = output_after(target, res)
+    assert res.returncode == 0, res.stderr
+    assert out.split() == ["7", "called"] and target.returncode == 0
+    trace = TraceDir.open(tmp_path / "d")
+    assert len(trace.threads()) == 4
+    calls = [calls_to(trace, t, programs["sigchld"], "g") for t in trace.threads()]
+    assert sorted(c > 0 for c in calls) == [False, True, True, True]  # main sleeps
+
+
 def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs):
     res = record(tmp_path / "d", "--", str(programs["fork"]))
     assert res.returncode == 0, res.stderr

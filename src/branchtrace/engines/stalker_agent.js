@@ -180,6 +180,28 @@ const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
   ['pointer', 'pointer', 'pointer', 'pointer']);
 const pthreadDetach = new NativeFunction(libc('pthread_detach'), 'int', ['pointer']);
+const pthreadSigmask = new NativeFunction(libc('pthread_sigmask'), 'int',
+  ['int', 'pointer', 'pointer']);
+// Stalker follows, lets go of and invalidates another thread through Gum's helper: a clone
+// of this thread, sharing the program's memory and signal handlers, on an 8 KiB stack, that
+// ptraces the thread.  Each ptrace stop sends the helper a SIGCHLD: a program that handles
+// SIGCHLD (a shell, a server reaping its children) ran its handler there, overflowed that
+// stack, and the helper died, leaving this script waiting for it for good and the program
+// stuck (attaching to one forking every ms: 7 of 10).  The helper inherits this thread's
+// signal mask.
+function withSignalsBlocked(f) {
+  const all = Memory.alloc(128); // sigset_t
+  for (let i = 0; i < 128; i += 8) {
+    all.add(i).writeU64(uint64('0xffffffffffffffff'));
+  }
+  const before = Memory.alloc(128);
+  pthreadSigmask(0 /* SIG_BLOCK */, all, before);
+  try {
+    return f();
+  } finally {
+    pthreadSigmask(2 /* SIG_SETMASK */, before, NULL);
+  }
+}
 const syscall3 = new NativeFunction(libc('syscall'), 'long', ['long', '...', 'pointer', 'int', 'int']);
 const holdReturns = new NativeFunction(cm.bt_hold_returns, 'void', ['int']);
 
@@ -558,7 +580,7 @@ rpc.exports = {
   // the fork hook, which the host then waits for as for the others (see forkReturnAddress).
   findForksBegunBefore(tids) {
     gateForks();
-    findForksBegunBefore(tids);
+    withSignalsBlocked(() => findForksBegunBefore(tids)); // it reads the threads' registers
   },
   // Where BtState's fork() counters are, which the host reads and writes itself at the end
   // of a recording under --follow-fork (_ForkCounters in stalker.py).
@@ -597,19 +619,21 @@ rpc.exports = {
     park();
     tracing = true;
     const untraced = {};
-    for (const [tid, path] of Object.entries(paths)) {
-      const id = parseInt(tid, 10);
-      const why = running ? forksBegunBefore.get(id) : undefined;
-      if (outOfFork.delete(id)) {
-        returning.set(id, path); // followed where it waits
-      } else if (why === undefined) {
-        follow(id, path);
-      } else if (why === null) {
-        returning.set(id, path);
-      } else {
-        untraced[tid] = why;
+    withSignalsBlocked(() => {
+      for (const [tid, path] of Object.entries(paths)) {
+        const id = parseInt(tid, 10);
+        const why = running ? forksBegunBefore.get(id) : undefined;
+        if (outOfFork.delete(id)) {
+          returning.set(id, path); // followed where it waits
+        } else if (why === undefined) {
+          follow(id, path);
+        } else if (why === null) {
+          returning.set(id, path);
+        } else {
+          untraced[tid] = why;
+        }
       }
-    }
+    });
     holdReturns(0);
     return untraced;
   },
@@ -654,6 +678,9 @@ rpc.exports = {
 // hooked function's block is invalidated too: a thread that reaches one goes through
 // Stalker, which lets go of it there, and the function runs natively.
 function unfollowAll() {
+  withSignalsBlocked(letGoOfAll);
+}
+function letGoOfAll() {
   tracing = false;
   const hooks = [...hookedAt, cm.bt_fork_gate, ...fridaHooks()];
   for (const tid of threads.keys()) {
