@@ -266,7 +266,8 @@ function park() {
   }
   Interceptor.attach(code.start, { onEnter: code.listener, onLeave: code.listener });
   const handle = Memory.alloc(8);
-  const rc = pthreadCreate(handle, NULL, code.start, code.words);
+  // with every signal blocked, inherited: the program's handlers never run on it
+  const rc = withSignalsBlocked(() => pthreadCreate(handle, NULL, code.start, code.words));
   if (rc !== 0) {
     send({ type: 'error', message: `cannot start the agent's parked thread (error ${rc})` });
     return;
