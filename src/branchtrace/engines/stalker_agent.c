@@ -135,37 +135,36 @@ typedef struct {
 extern uint8_t bt_state[];
 #define STATE ((BtState *)bt_state)
 
-/* Where code is, for is_frida_code(): Frida's agent, and the modules of the program,
-   sorted by start, as the script last saw them (stalker_agent.js, publishCodeMap). */
+/* Where code is, for is_frida_code(): the mappings of Frida's agent and the modules of the
+   program, sorted by start and disjoint, as the script last saw them (stalker_agent.js,
+   publishCodeMap). */
 typedef struct {
   uint64_t start, end;
-} BtRange;
+  uint64_t fridas; /* 1: Frida's agent; 0: a module of the program */
+} BtCodeRange;
 struct BtCodeMap {
   uint64_t count;
-  BtRange agent;
-  BtRange modules[];
+  BtCodeRange ranges[];
 };
 
 /* Whether a block starts in Frida's code (the hook that started tracing, the return from
    Stalker.follow() of a new thread through Frida's code), which gets no record.  Asked
-   once per compiled block.  The script's Cloak answers only for code in neither range:
-   a thread compiling a block of Frida's agent, or of libc called from it, may hold a lock
-   of the agent's (GLib's signal lock), and the script's lock, which the answer needs, may
-   be held by a thread waiting for that one (a new thread's Stalker.garbageCollect()). */
+   once per compiled block.  The script's Cloak answers only for code in no range: a thread
+   compiling a block of Frida's agent, or of libc called from it, may hold a lock of the
+   agent's (GLib's signal lock), and the script's lock, which the answer needs, may be held
+   by a thread waiting for that one (a new thread's Stalker.garbageCollect()). */
 static int is_frida_code(uint64_t address) {
   const struct BtCodeMap *map = STATE->code_map;
   if (map != NULL) {
-    if (address >= map->agent.start && address < map->agent.end)
-      return 1;
     uint64_t lo = 0, hi = map->count;
     while (lo < hi) {
       uint64_t mid = (lo + hi) / 2;
-      if (address < map->modules[mid].start)
+      if (address < map->ranges[mid].start)
         hi = mid;
-      else if (address >= map->modules[mid].end)
+      else if (address >= map->ranges[mid].end)
         lo = mid + 1;
       else
-        return 0;
+        return (int)map->ranges[mid].fridas;
     }
   }
   return bt_is_frida_code(address);

@@ -37,39 +37,44 @@ spared.forEach(([fd, isEventfd, id], i) => {
 const CODE_MAP = PARKED + 288; // BtState.code_map
 state.add(CODE_MAP).writePointer(NULL);
 
-// Frida's agent: where /proc/self/maps names it (Frida hides it from Process' modules).
-function agentRange() {
-  let start = null;
-  let end = null;
+// Frida's agent: the mappings /proc/self/maps names so (Frida hides it from Process'
+// modules), merged where they touch.
+function agentRanges() {
   let maps = '';
   try {
     maps = File.readAllText('/proc/self/maps');
   } catch (e) {
     // no /proc: Frida's Cloak answers for the agent's code too, as it did for all code
   }
+  const ranges = [];
   for (const line of maps.split('\n')) {
     if (line.includes('frida-agent')) {
-      const [lo, hi] = line.split(' ')[0].split('-').map((x) => uint64('0x' + x));
-      start = start === null || lo.compare(start) < 0 ? lo : start;
-      end = end === null || hi.compare(end) > 0 ? hi : end;
+      const [start, end] = line.split(' ')[0].split('-').map((x) => uint64('0x' + x));
+      const last = ranges[ranges.length - 1];
+      if (last !== undefined && last[1].equals(start)) {
+        last[1] = end;
+      } else {
+        ranges.push([start, end]);
+      }
     }
   }
-  return start === null ? [uint64(0), uint64(0)] : [start, end];
+  return ranges;
 }
-const agentCode = agentRange();
+const agentCode = agentRanges().map(([start, end]) => [start, end, 1]);
 // Every map published stays: a compiling thread may still be reading an earlier one.
 const codeMaps = [];
 function publishCodeMap() {
-  const modules = Process.enumerateModules()
-    .map((m) => [uint64(m.base.toString()), uint64(m.base.add(m.size).toString())])
+  const ranges = Process.enumerateModules()
+    .map((m) => [uint64(m.base.toString()), uint64(m.base.add(m.size).toString()), 0])
+    .concat(agentCode)
     .sort((a, b) => a[0].compare(b[0]));
-  const map = Memory.alloc(24 + 16 * modules.length); // BtCodeMap
-  map.writeU64(modules.length);
-  map.add(8).writeU64(agentCode[0]);
-  map.add(16).writeU64(agentCode[1]);
-  modules.forEach(([start, end], i) => {
-    map.add(24 + 16 * i).writeU64(start);
-    map.add(32 + 16 * i).writeU64(end);
+  const map = Memory.alloc(8 + 24 * ranges.length); // BtCodeMap
+  map.writeU64(ranges.length);
+  ranges.forEach(([start, end, fridas], i) => {
+    const at = map.add(8 + 24 * i);
+    at.writeU64(start);
+    at.add(8).writeU64(end);
+    at.add(16).writeU64(fridas);
   });
   codeMaps.push(map);
   state.add(CODE_MAP).writePointer(map);
