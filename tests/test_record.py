@@ -1644,3 +1644,16 @@ def test_a_stuck_agent_call_is_given_up_after_its_timeout_and_errors_pass_throug
     assert _bounded(lambda a, b: a + b, 2, 3) == 5
     with pytest.raises(KeyError):
         _bounded({}.__getitem__, "missing")
+
+
+def test_frida_giving_up_on_stopping_a_process_says_to_check_on_it():
+    # (Frida's injector, on a program forking every ms that handles SIGCHLD: README)
+    from branchtrace.engines.stalker import _frida_error
+    from branchtrace.errors import EngineUnavailableError
+
+    message = "unexpectedly timed out while waiting for stop from process with PID 4242"
+    e = _frida_error(RuntimeError(message), "pid 4242")
+    assert isinstance(e, EngineUnavailableError) and e.exit_code == 13
+    assert str(e) == f"pid 4242: Frida failed: {message}"
+    assert e.hint is not None and "check that it still runs" in e.hint
+    assert _frida_error(RuntimeError("other"), "pid 1").hint is None

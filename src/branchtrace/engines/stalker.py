@@ -215,6 +215,13 @@ def _frida_error(e: Exception, what: str) -> BranchtraceError:
         )
     if isinstance(e, frida.ExecutableNotFoundError):
         return LaunchError(f"{what}: executable not found")
+    if "timed out while waiting for stop" in str(e):
+        # Frida's injector, before any agent: seen on a program forking a child every
+        # millisecond that handles SIGCHLD (README, How it ends)
+        return EngineUnavailableError(
+            f"{what}: Frida failed: {e}",
+            hint="Frida could not stop it to load its agent: check that it still runs",
+        )
     return EngineUnavailableError(f"{what}: Frida failed: {e}")
 
 
