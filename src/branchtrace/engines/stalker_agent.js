@@ -11,8 +11,9 @@ function attach(target, callbacks) {
   hookedAt.push(target);
   return Interceptor.attach(target, callbacks);
 }
-// Asked once per compiled block (never per execution): blocks of Frida's own code, such as
-// the hook that starts tracing at main, are not the program's and get no record.
+// Asked once per compiled block (never per execution) that starts in neither Frida's agent
+// nor a module (is_frida_code in stalker_agent.c): blocks of Frida's own code, such as the
+// hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
 const state = Memory.alloc(8 + 8 * 4096 + 312); // BtState in stalker_agent.c
@@ -192,7 +193,7 @@ const pthreadSigmask = new NativeFunction(libc('pthread_sigmask'), 'int',
 // ptraces the thread.  Each ptrace stop sends the helper a SIGCHLD: a program that handles
 // SIGCHLD (a shell, a server reaping its children) ran its handler there, overflowed that
 // stack, and the helper died, leaving this script waiting for it for good and the program
-// stuck (attaching to one forking every ms: 7 of 10).  The helper inherits this thread's
+// stuck (tests/programs/sigchld.c: 4 attaches of 4).  The helper inherits this thread's
 // signal mask.
 function withSignalsBlocked(f) {
   const all = Memory.alloc(128); // sigset_t
