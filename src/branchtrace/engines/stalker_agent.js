@@ -195,13 +195,13 @@ const pthreadSigmask = new NativeFunction(libc('pthread_sigmask'), 'int',
 // stack, and the helper died, leaving this script waiting for it for good and the program
 // stuck (tests/programs/sigchld.c: 4 attaches of 4).  The helper inherits this thread's
 // signal mask.
+const allSignals = Memory.alloc(128); // sigset_t
+for (let i = 0; i < 128; i += 8) {
+  allSignals.add(i).writeU64(uint64('0xffffffffffffffff'));
+}
 function withSignalsBlocked(f) {
-  const all = Memory.alloc(128); // sigset_t
-  for (let i = 0; i < 128; i += 8) {
-    all.add(i).writeU64(uint64('0xffffffffffffffff'));
-  }
   const before = Memory.alloc(128);
-  pthreadSigmask(0 /* SIG_BLOCK */, all, before);
+  pthreadSigmask(0 /* SIG_BLOCK */, allSignals, before);
   try {
     return f();
   } finally {
@@ -685,7 +685,7 @@ rpc.exports = {
 // hooked function's block is invalidated too: a thread that reaches one goes through
 // Stalker, which lets go of it there, and the function runs natively.
 function unfollowAll() {
-  withSignalsBlocked(letGoOfAll);
+  withSignalsBlocked(letGoOfAll); // Stalker's unfollow and invalidate start helpers
 }
 function letGoOfAll() {
   tracing = false;
