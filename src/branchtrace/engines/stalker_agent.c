@@ -94,6 +94,9 @@ typedef struct {
   uint64_t signal_gaps_done;
   volatile int in_c;     /* the thread is inside C code that moves the head or `wp` */
   uint8_t *scratch_area; /* the mapping `scratch` lies in */
+  uint8_t *exec_ctx;     /* Stalker's GumExecCtx for the thread, as its last block compiled */
+  volatile int leaving;  /* the recording has ended: leave Stalker at the next chunk callout */
+  int left;              /* that callout came (bt_thread_let_go) */
 } BtThread;
 
 #define BT_MAX_THREADS 4096
@@ -130,6 +133,7 @@ typedef struct {
   BtSpared spared[BT_MAX_SPARED];
   /* is_frida_code(): replaced whole, never changed (x86 keeps the script's stores in order) */
   const struct BtCodeMap *volatile code_map;
+  uint8_t *stalker; /* the GumStalker, once widen_inline_cache() has checked its layout */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -251,8 +255,17 @@ static void refill(BtThread *t) {
 
 static void leave_c(BtThread *t);
 
+static int leave_stalker(BtThread *t);
+
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
+  if (t->leaving && !t->left) {
+    t->left = 1;
+    if (leave_stalker(t)) {
+      WP(t) = (uint64_t)t->scratch + BT_CHUNK; /* at a chunk's end: the block leaves */
+      return;
+    }
+  }
   t->in_c++;
   if (t->dropping || t->closed) {
     if (!t->closed)
@@ -471,6 +484,53 @@ void bt_thread_close(BtThread *t) {
   bt_writer_close(&t->w); /* may write a last LOST record */
   count_lost_since(t, lost);
   close(t->w.fd); /* releases the writer lock */
+}
+
+/* Stalker lets go of a thread only where the thread passes through Stalker's own code (an
+   entry gate), and the blocks it compiled jump straight to one another once backpatched: a
+   thread looping in them after Stalker.unfollow() ran on under Stalker, slower, with the
+   agent loaded, for as long as the loop lasted (a program calling usleep() in a loop, after
+   a detach: still there 10 s later).  CModule has no Gum call that sends a thread through
+   a gate (invalidating its blocks, or a chaining return), so each block leaves by itself:
+   after its chunk callout, a block whose `wp` is left at a chunk's end jumps to its own
+   start, natively, and so runs on outside Stalker with the program's registers (see
+   put_leave).  The callout first does for Stalker what its gate would have done: it marks
+   the thread's GumExecCtx destroy-pending, so that Stalker frees it 20 ms later and Frida
+   can unload the agent.  That is Gum's private layout, so only when it reads back as
+   expected: the GumStalker that widen_inline_cache() checked, this thread's id, and the
+   unfollow that Stalker.unfollow() asked for.  Otherwise the thread stays, as before.
+   (Gum also clears its thread-local pointer to the context there, which CModule cannot
+   reach; Gum reads it only as the thread enters Stalker again, which it never does.) */
+static int leave_stalker(BtThread *t) {
+  uint8_t *ctx = t->exec_ctx;
+  if (STATE->stalker == NULL || ctx == NULL || *(uint8_t **)(ctx + 16) != STATE->stalker
+      || *(uint64_t *)(ctx + 24) != t->tid)
+    return 0;
+  volatile int *state = (volatile int *)ctx;
+  if (*state != 1 /* GUM_EXEC_CTX_UNFOLLOW_PENDING */)
+    return 0;
+  long ts[2];
+  clock_gettime(1 /* CLOCK_MONOTONIC, as g_get_monotonic_time() */, ts);
+  *(int64_t *)(ctx + 8) = ts[0] * 1000000L + ts[1] / 1000; /* destroy_pending_since */
+  bt_barrier();
+  *state = 2; /* GUM_EXEC_CTX_DESTROY_PENDING */
+  return 1;
+}
+
+/* The recording has ended and the thread's ring is closed (bt_thread_close): its next
+   block's record lands on a chunk's end, in the scratch chunk, and so calls on_chunk_end.
+   The thread may be between its read and its write of `wp`, and then moves it on from
+   where it was (the scratch chunk, or the ring just closed): it reaches a chunk callout
+   after 16,384 blocks at most, and the script calls this again meanwhile.  Returns
+   whether that callout has come. */
+int bt_thread_let_go(BtThread *t) {
+  if (t->left)
+    return 1;
+  t->leaving = 1;
+  uint64_t last_slot = (uint64_t)t->scratch + BT_CHUNK - SLOT_LEAD;
+  if (t->reserve != NULL && WP(t) != last_slot)
+    WP(t) = last_slot;
+  return 0;
 }
 
 static BtThread *current_thread(void) {
@@ -896,6 +956,7 @@ static void widen_inline_cache(GumStalkerIterator *iterator) {
       && sizes[8] == 128 * 1024 && sizes[9] == 4 << 20 && sizes[14] == 16384) {
     *(uint32_t *)(stalker + 24) = BT_IC_ENTRIES;
     entries = BT_IC_ENTRIES;
+    STATE->stalker = stalker;
   }
   STATE->ic_done = 1;
   bt_note(entries == BT_IC_ENTRIES ? BT_IC_NOTE(BT_NUMBER(BT_IC_ENTRIES)) : BT_IC_NOTE("2"));
@@ -1125,12 +1186,54 @@ static uint32_t *put_store_slot(GumX86Writer *cw, int r) {
   return imm;
 }
 
+static const uint8_t movzx_ecx_cx_jrcxz[] = {0x0f, 0xb7, 0xc9, 0xe3, 0x05};
+static const uint8_t movzx_ecx_ax_jrcxz[] = {0x0f, 0xb7, 0xc8, 0xe3, 0x05};
+static const uint8_t movabs_load = 0xa1, movabs_store = 0xa3;
+static const uint8_t mov_rax_rcx[] = {0x48, 0x89, 0xc8}, mov_rcx_rax[] = {0x48, 0x89, 0xc1};
+
+/* test r16, r16 */
+static void put_test16(GumX86Writer *cw, int r) {
+  uint8_t test[3] = {0x66, 0x45 /* REX.RB */, 0x85};
+  uint8_t modrm = (uint8_t)(0xc0 | ((r & 7) << 3) | (r & 7));
+  put_bytes(cw, test, 1);
+  put_bytes(cw, test + (r < 8 ? 2 : 1), r < 8 ? 1 : 2); /* REX only for r8..r15 */
+  put_bytes(cw, &modrm, 1);
+}
+
+/* The block leaves Stalker (leave_stalker): the program's registers back as they were at
+   the block's start, where nothing of the block has run yet, then
+     jmp [rip]; dq start
+   which needs no register.  `saved`: rax (1), and rcx too (2), are in the thread's slots. */
+static void put_leave(GumX86Writer *cw, BtThread *t, int saved, uint64_t start) {
+  if (saved == 2) {
+    put_movabs(cw, movabs_load, &t->saved_rcx);
+    put_bytes(cw, mov_rcx_rax, 3);
+  }
+  if (saved >= 1)
+    put_movabs(cw, movabs_load, &t->saved_rax);
+  static const uint8_t jmp_rip[] = {0xff, 0x25, 0, 0, 0, 0};
+  put_bytes(cw, jmp_rip, sizeof jmp_rip);
+  put_bytes(cw, (const uint8_t *)&start, 8);
+}
+
 /* After the chunk check's jrcxz (which skips 5 bytes): a jmp over the callout that claims
-   the next chunk.  `label` is any address unique to this block. */
+   the next chunk, and after the callout the same check again on `wp`, reloaded (the callout
+   gives rcx back as it was): at a chunk's end still, the block leaves (put_leave).  The
+   flags are live and rcx is dead (or saved: `saving`).  `label` is any address unique to
+   this block. */
 static void put_inline_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                                 gconstpointer label) {
+                                 gconstpointer label, int saving, uint64_t start) {
   gum_x86_writer_put_jmp_near_label(cw, label);
   gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
+  if (saving) {
+    put_movabs(cw, movabs_load, t->wpp);
+    put_bytes(cw, movzx_ecx_ax_jrcxz, 5);
+  } else {
+    put_mov_reg_abs(cw, 0x8b, 1 /* rcx */, (uint32_t)(uint64_t)t->wpp);
+    put_bytes(cw, movzx_ecx_cx_jrcxz, 5);
+  }
+  gum_x86_writer_put_jmp_near_label(cw, label);
+  put_leave(cw, t, saving ? 2 : 0, start);
   gum_x86_writer_put_label(cw, label);
 }
 
@@ -1146,13 +1249,23 @@ static void put_jz_to_tail(GumX86Writer *cw, uint32_t *id) {
 
 /* After the block's last instruction.  Stalker's virtualized branch never falls through to
    here, but a block Stalker ends early (its size limit) continues with the jmp Stalker
-   writes after this, so the tail starts by jumping there. */
+   writes after this, so the tail starts by jumping there.  After the callout, `wp` is
+   tested again, through register r (dead) or rax (saved: r < 0), and the flags (dead):
+   at a chunk's end still, the block leaves (put_leave). */
 static void put_tail_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                               uint32_t *id) {
+                               uint32_t *id, int r, uint64_t start) {
   gum_x86_writer_put_jmp_near_label(cw, (uint8_t *)id + 2);
   gum_x86_writer_put_label(cw, (uint8_t *)id + 1);
   gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
-  gum_x86_writer_put_jmp_near_label(cw, id);
+  if (r >= 0) {
+    put_mov_reg_abs(cw, 0x8b, r, (uint32_t)(uint64_t)t->wpp);
+    put_test16(cw, r);
+  } else {
+    put_movabs(cw, movabs_load, t->wpp);
+    put_test16(cw, 0 /* rax */);
+  }
+  gum_x86_writer_put_jcc_near_label(cw, X86_INS_JNE, id, GUM_NO_HINT);
+  put_leave(cw, t, r >= 0 ? 0 : 1, start);
   gum_x86_writer_put_label(cw, (uint8_t *)id + 2);
 }
 
@@ -1162,7 +1275,7 @@ static void put_tail_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, B
      movzx ecx, cx; jrcxz slow       or       test r16, r16; jz tail
    Returns where the id goes. */
 static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                                  int r, int flags_dead) {
+                                  int r, int flags_dead, uint64_t start) {
   uint32_t wp32 = (uint32_t)(uint64_t)t->wpp;
   put_mov_reg_abs(cw, 0x8b, r, wp32);
   uint32_t *id = put_store_slot(cw, r);
@@ -1170,15 +1283,10 @@ static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw
   put_bytes(cw, lea, enc_lea(lea, r));
   put_mov_reg_abs(cw, 0x89, r, wp32);
   if (!flags_dead) { /* r is rcx */
-    static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc9, 0xe3, 0x05};
-    put_bytes(cw, movzx_jrcxz, 5);
-    put_inline_slow_path(iterator, cw, t, id);
+    put_bytes(cw, movzx_ecx_cx_jrcxz, 5);
+    put_inline_slow_path(iterator, cw, t, id, 0, start);
   } else {
-    uint8_t test[3] = {0x66, 0x45 /* REX.RB */, 0x85};
-    uint8_t modrm = (uint8_t)(0xc0 | ((r & 7) << 3) | (r & 7));
-    put_bytes(cw, test, 1);
-    put_bytes(cw, test + (r < 8 ? 2 : 1), r < 8 ? 1 : 2); /* REX only for r8..r15 */
-    put_bytes(cw, &modrm, 1);
+    put_test16(cw, r);
     put_jz_to_tail(cw, id);
   }
   return id;
@@ -1187,11 +1295,7 @@ static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw
 /* The record sequence of a block with no dead register (see the top of this file).
    Returns where the id goes. */
 static uint32_t *put_saving_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                                   int flags_dead) {
-  static const uint8_t movabs_load = 0xa1, movabs_store = 0xa3;
-  static const uint8_t mov_rax_rcx[] = {0x48, 0x89, 0xc8}, mov_rcx_rax[] = {0x48, 0x89, 0xc1};
-  static const uint8_t test_ax[] = {0x66, 0x85, 0xc0};
-  static const uint8_t movzx_jrcxz[] = {0x0f, 0xb7, 0xc8, 0xe3, 0x05};
+                                   int flags_dead, uint64_t start) {
   put_movabs(cw, movabs_store, &t->saved_rax);
   if (!flags_dead) {
     put_bytes(cw, mov_rax_rcx, 3);
@@ -1202,11 +1306,11 @@ static uint32_t *put_saving_record(GumStalkerIterator *iterator, GumX86Writer *c
   gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RAX, GUM_X86_RAX, SLOT_LEAD);
   put_movabs(cw, movabs_store, t->wpp);
   if (flags_dead) {
-    put_bytes(cw, test_ax, 3);
+    put_test16(cw, 0 /* rax */);
     put_jz_to_tail(cw, id);
   } else {
-    put_bytes(cw, movzx_jrcxz, 5); /* over the 5-byte jmp of the slow path */
-    put_inline_slow_path(iterator, cw, t, id);
+    put_bytes(cw, movzx_ecx_ax_jrcxz, 5); /* over the 5-byte jmp of the slow path */
+    put_inline_slow_path(iterator, cw, t, id, 1, start);
   }
   if (!flags_dead) {
     put_movabs(cw, movabs_load, &t->saved_rcx);
@@ -1397,6 +1501,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   uint64_t id = 0;
   uint64_t *spilled = NULL;
   int tail_slow = 0; /* the record's slow path goes after the last instruction */
+  int r = -1;        /* the dead register the record uses, or -1: rax, saved */
   uint64_t start = 0, last = 0;
   uint64_t wp_addr = (uint64_t)t->wpp;
 
@@ -1407,6 +1512,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     return;
   }
   widen_inline_cache(iterator);
+  t->exec_ctx = *(uint8_t **)iterator; /* GumStalkerIterator.exec_context (leave_stalker) */
   while (gum_stalker_iterator_next(iterator, &insn)) {
     if (first && is_frida_code(insn->address)) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */
@@ -1424,7 +1530,6 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       start = insn->address;
       int flags_dead = 0;
       uint32_t dead = wp_addr < 0x80000000u ? dead_state(t, start, &flags_dead) : 0;
-      int r = -1;
       if (flags_dead) /* the check is test/jz to the tail: any dead register */
         for (int i = 0; i < 16 && r < 0; i++)
           if (dead & (1u << i))
@@ -1432,8 +1537,8 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       else if (dead & (1u << 1))
         r = 1; /* rcx: the check is jrcxz, the flags stay untouched */
       id = t->next_id++;
-      slot = r >= 0 ? put_short_record(iterator, cw, t, r, flags_dead)
-                    : put_saving_record(iterator, cw, t, flags_dead);
+      slot = r >= 0 ? put_short_record(iterator, cw, t, r, flags_dead, start)
+                    : put_saving_record(iterator, cw, t, flags_dead, start);
       tail_slow = flags_dead;
     }
     first = 0;
@@ -1443,7 +1548,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     gum_stalker_iterator_keep(iterator);
   }
   if (tail_slow)
-    put_tail_slow_path(iterator, cw, t, slot);
+    put_tail_slow_path(iterator, cw, t, slot, r, start);
   /* Stalker ends a block at every branch, so it spans a few dozen bytes: the offset of
      its last instruction always fits the 16 bits of a BLOCK word. */
   uint64_t record = start | ((last - start) << BT_BLOCK_ADDR_BITS);

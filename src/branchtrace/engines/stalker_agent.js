@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 312); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 320); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -37,6 +37,7 @@ spared.forEach(([fd, isEventfd, id], i) => {
 });
 const CODE_MAP = PARKED + 288; // BtState.code_map
 state.add(CODE_MAP).writePointer(NULL);
+state.add(CODE_MAP + 8).writePointer(NULL); // BtState.stalker: not checked yet
 
 // Frida's agent: the mappings /proc/self/maps names so (Frida hides it from Process'
 // modules), merged where they touch.
@@ -179,6 +180,7 @@ const inTracedProcess = () => getpid() === state.readU32();
 const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
+const threadLetGo = new NativeFunction(cm.bt_thread_let_go, 'int', ['pointer']);
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', 'pointer']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
@@ -678,11 +680,14 @@ rpc.exports = {
 
 // Stalker lets go of another thread only where the thread next passes through Stalker's
 // own code, and code Stalker has compiled jumps straight from block to block: a thread in a
-// loop runs on in it after unfollow(), through its compiled copies of the hooks' code.  Once
-// a hook is gone (Frida's on close() as child gating goes off: its fd guard; ours as this
-// script unloads) such a copy calls into what Frida freed, and the program dies (attached
-// with --follow-fork to a program closing a file every millisecond: 10 of 10).  So every
-// hooked function's block is invalidated too: a thread that reaches one goes through
+// loop ran on in it after unfollow().  So each thread leaves by itself, at the next block
+// it runs (bt_thread_let_go, leave_stalker in stalker_agent.c).  Only blocks with a record
+// can; a thread in the others (Frida's code, or blocks compiled once the block table was
+// full) runs on in them, through its compiled copies of the hooks' code too.  Once a hook
+// is gone (Frida's on close() as child gating goes off: its fd guard; ours as this script
+// unloads) such a copy calls into what Frida freed, and the program dies (attached with
+// --follow-fork to a program closing a file every millisecond: 10 of 10).  So every hooked
+// function's block is invalidated as well: a thread that reaches one goes through
 // Stalker, which lets go of it there, and the function runs natively.
 function unfollowAll() {
   withSignalsBlocked(letGoOfAll); // Stalker's unfollow and invalidate start helpers
@@ -701,6 +706,7 @@ function letGoOfAll() {
   // shell in wait4(): the agent did not answer).
   for (const t of threads.values()) {
     threadClose(t);
+    threadLetGo(t);
   }
   for (const tid of threads.keys()) {
     for (const at of hooks) {
@@ -709,6 +715,11 @@ function letGoOfAll() {
   }
   Stalker.flush();
   Stalker.garbageCollect();
+  // a thread that moved `wp` on as it was set (bt_thread_let_go) is set again: every one
+  // not asleep in a system call has run blocks meanwhile
+  for (const t of threads.values()) {
+    threadLetGo(t);
+  }
 }
 
 // Frida's own hooks in libc (child gating's on fork(), exec*() and close(), its exit
