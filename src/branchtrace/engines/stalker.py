@@ -339,11 +339,18 @@ def _detached(session: Any) -> bool:
     return True
 
 
-def _unloading_later(process: str) -> str:
+def _unloading_later(process: str, asleep: list[int]) -> str:
+    """`asleep`: the threads that had not run since the recording ended (the agent's)."""
+    which = (
+        f"thread{'s' if len(asleep) > 1 else ''} {', '.join(map(str, sorted(asleep)))}, asleep "
+        "in a system call since the recording ended (sleeping, or waiting for input), "
+        f"run{'' if len(asleep) > 1 else 's'} again"
+        if asleep
+        else "its threads that sit in a system call (sleeping, or waiting for input) run again"
+    )
     return (
-        f"Frida unloads its agent from {process} only once its threads that sit in a system "
-        "call (sleeping, or waiting for input) run again; the trace is complete, and until "
-        "then the agent stays loaded, idle"
+        f"Frida unloads its agent from {process} only once {which}; the trace is complete, "
+        "and until then the agent stays loaded, idle"
     )
 
 
@@ -1344,10 +1351,10 @@ class _ForkFollower:
         session, agent = self.children[pid]
         self._let_go_of.add(pid)
         try:
-            if agent is not None:
-                _stop_agent(agent)
+            stopped = _stop_agent(agent) if agent is not None else {}
             if not _detached(session):
-                self.rec._error(_unloading_later(f"forked child {pid}"))
+                asleep = stopped.get("asleep", [])
+                self.rec._error(_unloading_later(f"forked child {pid}", asleep))
         except AgentTimeoutError:
             self.rec._error(_stuck_agent(f"forked child {pid}", agent is not None and agent.frozen))
         except Exception:
@@ -1715,7 +1722,8 @@ class StalkerEngine:
                         f"{far} blocks were not traced (above 2^47, or no memory for them)"
                     )
                 if not _detached(session):
-                    result.warnings.append(_unloading_later(f"pid {pid}"))
+                    asleep = stopped.get("asleep", [])
+                    result.warnings.append(_unloading_later(f"pid {pid}", asleep))
                     agent_stays = True
                 result.detached = True
             except AgentTimeoutError:

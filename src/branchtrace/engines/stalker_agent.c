@@ -524,7 +524,7 @@ static int leave_stalker(BtThread *t) {
    after 16,384 blocks at most, and the script calls this again meanwhile.  Returns
    whether that callout has come. */
 int bt_thread_let_go(BtThread *t) {
-  if (t->left)
+  if (t->left || t->reserve == NULL /* it ended */)
     return 1;
   t->leaving = 1;
   uint64_t last_slot = (uint64_t)t->scratch + BT_CHUNK - SLOT_LEAD;

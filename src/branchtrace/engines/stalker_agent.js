@@ -646,7 +646,8 @@ rpc.exports = {
     holdReturns(0);
     return untraced;
   },
-  // Ends the recording: {farBlocks, stillInFork: tids never out of their fork()}.
+  // Ends the recording: {farBlocks, stillInFork: tids never out of their fork(), asleep:
+  // tids that have not run since (leftStalker)}.
   stop() {
     return finish();
   },
@@ -715,10 +716,21 @@ function letGoOfAll() {
   }
   Stalker.flush();
   Stalker.garbageCollect();
-  // a thread that moved `wp` on as it was set (bt_thread_let_go) is set again: every one
-  // not asleep in a system call has run blocks meanwhile
-  for (const t of threads.values()) {
-    threadLetGo(t);
+}
+
+// The threads that have not left Stalker (bt_thread_let_go) 0.1 s after the end: asleep in
+// a system call since, as a rule (a server waiting for input).  Each leaves as it wakes, and
+// Frida unloads its agent only then.  `wp` is set again meanwhile, for a thread that moved
+// it on as it was set.
+function leftStalker() {
+  const deadline = Date.now() + 100;
+  let waiting = [...threads.entries()];
+  for (;;) {
+    waiting = waiting.filter(([, t]) => threadLetGo(t) === 0);
+    if (waiting.length === 0 || Date.now() >= deadline) {
+      return waiting.map(([tid]) => tid);
+    }
+    Thread.sleep(0.005);
   }
 }
 
@@ -750,6 +762,7 @@ function finish() {
     return finished;
   }
   unfollowAll();
+  const asleep = leftStalker();
   const stillInFork = [...returning.keys()];
   returning.clear();
   let far = farOfEarlier;
@@ -761,7 +774,7 @@ function finish() {
   holdForks(0); // else a fork() held as the host went away would wait for good
   ungateForks();
   holdReturns(0);
-  finished = { farBlocks: far, stillInFork };
+  finished = { farBlocks: far, stillInFork, asleep };
   return finished;
 }
 
