@@ -76,8 +76,7 @@ typedef struct {
   uint8_t *reserve;
   uint64_t reserve_size;
   uint64_t far_blocks;   /* blocks compiled above 2^47, which a BLOCK word cannot hold */
-  csh cs;                /* this thread's decoder for the lookahead (0: not opened yet) */
-  cs_insn *cs_insn;
+  cs_insn *cs_insn;      /* the lookahead's instruction (NULL: none made yet) */
   uint64_t *table;       /* the ring's block table: block id -> BLOCK word */
   uint64_t table_cap;
   uint64_t next_id;      /* 0 is the empty slot */
@@ -712,10 +711,9 @@ static void release_ended_thread(BtThread *t) {
     munmap(t->header32, 4096);
   munmap(t->reserve, t->reserve_size); /* the ring and its block table */
   munmap(t->scratch_area, 2 * BT_CHUNK);
-  if (t->cs != 0) {
+  if (t->cs_insn != NULL)
     cs_free(t->cs_insn, 1);
-    cs_close(&t->cs);
-  }
+  t->cs_insn = NULL;
   t->header32 = NULL;
   t->reserve = NULL;
   give_back_slot(t);
@@ -1039,18 +1037,16 @@ static int ends_lookahead(csh h, const cs_insn *insn) {
    testing one, both proven on the instructions that run in sequence from the start (up to
    the first transfer or possibly faulting access).  A register or the flags found dead may
    be used by the record sequence without being saved. */
-static uint32_t dead_state(BtThread *t, uint64_t code, int *flags_dead) {
+static uint32_t dead_state(BtThread *t, csh cs, uint64_t code, int *flags_dead) {
   *flags_dead = 0;
-  /* capstone allocates from Gum's own heap (gum.c registers it), never libc's malloc, so
-     this is safe whatever the thread was running when the block was compiled */
-  if (t->cs == 0) {
-    if (cs_open(CS_ARCH_X86, CS_MODE_64, &t->cs) != 0) {
-      t->cs = 0;
-      return 0;
-    }
-    cs_option(t->cs, CS_OPT_DETAIL, CS_OPT_ON);
-    t->cs_insn = cs_malloc(t->cs);
-  }
+  /* `cs` is Stalker's own decoder for this thread (its relocator's, with details), used on
+     this thread between its uses.  A decoder of our own per thread cost a cs_open(), which
+     builds capstone's instruction table (60 KB, 15,000 entries), and kept it for as long
+     as the thread lived.  capstone allocates from Gum's own heap (gum.c registers it), never
+     libc's malloc, so this is safe whatever the thread was running when the block was
+     compiled. */
+  if (t->cs_insn == NULL && (t->cs_insn = cs_malloc(cs)) == NULL)
+    return 0;
   /* the block's own page is mapped (Stalker just read it); beyond it, only what can be read */
   uint8_t buf[192];
   uint64_t room = 4096 - (code & 4095);
@@ -1064,12 +1060,14 @@ static uint32_t dead_state(BtThread *t, uint64_t code, int *flags_dead) {
   uint64_t address = code;
   uint32_t used = 0, dead = 0;
   int flags_known = 0;
-  for (int k = 0; k < 32 && cs_disasm_iter(t->cs, &p, &left, &address, t->cs_insn); k++) {
+  for (int k = 0; k < 32 && cs_disasm_iter(cs, &p, &left, &address, t->cs_insn); k++) {
     const cs_insn *insn = t->cs_insn;
+    if (insn->detail == NULL) /* a decoder without details: nothing proven */
+      break;
     const cs_x86 *x = &insn->detail->x86;
     cs_regs rd, wr;
     uint8_t nrd = 0, nwr = 0;
-    if (cs_regs_access(t->cs, insn, rd, &nrd, wr, &nwr) != 0)
+    if (cs_regs_access(cs, insn, rd, &nrd, wr, &nwr) != 0)
       break;
     /* xor/sub of a register with itself only writes it */
     int idiom = (insn->id == X86_INS_XOR || insn->id == X86_INS_SUB) && x->op_count == 2 &&
@@ -1085,7 +1083,7 @@ static uint32_t dead_state(BtThread *t, uint64_t code, int *flags_dead) {
     }
     if (x->eflags & STATUS_FLAGS_TESTED)
       flags_known = 1;
-    if (ends_lookahead(t->cs, insn))
+    if (ends_lookahead(cs, insn))
       break;
     /* Only these define their destination outright.  Capstone lists the destination of
        cmov, bsf or cmpxchg as written only, though each may keep the old value. */
@@ -1529,7 +1527,8 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     } else if (first) {
       start = insn->address;
       int flags_dead = 0;
-      uint32_t dead = wp_addr < 0x80000000u ? dead_state(t, start, &flags_dead) : 0;
+      csh cs = gum_stalker_iterator_get_capstone(iterator);
+      uint32_t dead = wp_addr < 0x80000000u ? dead_state(t, cs, start, &flags_dead) : 0;
       if (flags_dead) /* the check is test/jz to the tail: any dead register */
         for (int i = 0; i < 16 && r < 0; i++)
           if (dead & (1u << i))
