@@ -341,13 +341,15 @@ def _detached(session: Any) -> bool:
 
 def _unloading_later(process: str, asleep: list[int]) -> str:
     """`asleep`: the threads that had not run since the recording ended (the agent's)."""
-    which = (
-        f"thread{'s' if len(asleep) > 1 else ''} {', '.join(map(str, sorted(asleep)))}, asleep "
-        "in a system call since the recording ended (sleeping, or waiting for input), "
-        f"run{'' if len(asleep) > 1 else 's'} again"
-        if asleep
-        else "its threads that sit in a system call (sleeping, or waiting for input) run again"
-    )
+    if not asleep:
+        which = "its threads that sit in a system call (sleeping, or waiting for input) run again"
+    else:
+        tids = ", ".join(map(str, sorted(asleep)))
+        which = (
+            f"{'threads' if len(asleep) > 1 else 'thread'} {tids}, asleep in a system call "
+            "since the recording ended (sleeping, or waiting for input), "
+            f"{'run' if len(asleep) > 1 else 'runs'} again"
+        )
     return (
         f"Frida unloads its agent from {process} only once {which}; the trace is complete, "
         "and until then the agent stays loaded, idle"

@@ -527,7 +527,7 @@ int bt_thread_let_go(BtThread *t) {
     return 1;
   t->leaving = 1;
   uint64_t last_slot = (uint64_t)t->scratch + BT_CHUNK - SLOT_LEAD;
-  if (t->reserve != NULL && WP(t) != last_slot)
+  if (WP(t) != last_slot)
     WP(t) = last_slot;
   return 0;
 }
