@@ -47,38 +47,42 @@ def dense_breaks(n: int, at: np.ndarray, kind: np.ndarray, lo: int = 0) -> np.nd
 
 
 def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int]]:
-    """Block words, the break before each, and INTERRUPT resume addresses, the slow way."""
-    words, breaks, resumes = [], [], []
-    pending, resume = BREAK_NONE, 0
+    """Block words, the break before each, and its detail (INTERRUPT: the resume address,
+    GAP: the reason, LOST: the records lost since the last block), the slow way; one more
+    break and detail than blocks: after the last block."""
+    words, breaks, details = [], [], []
+    pending, detail = BREAK_NONE, 0
     for rtype, arg, *payload in recs:
         if rtype == RecordType.GAP and arg == GapReason.SIGNAL:
             continue  # inside a block: the thread resumes where it was
         if rtype == RecordType.BLOCK:
             words.append(payload[0] | (arg << 47))
             breaks.append(pending)
-            resumes.append(resume)
+            details.append(detail if pending != BREAK_NONE else 0)
             pending = BREAK_NONE
         elif rtype == RecordType.LOST:
+            detail = (detail if pending == BREAK_LOST else 0) + payload[0]
             pending = BREAK_LOST
         elif rtype == RecordType.GAP and pending != BREAK_LOST:
-            pending = BREAK_GAP
+            pending, detail = BREAK_GAP, arg
         elif rtype == RecordType.BRANCH:
-            pending, resume = BREAK_INTERRUPT, payload[0]
-    return words, breaks, resumes
+            pending, detail = BREAK_INTERRUPT, payload[0]
+    breaks.append(pending)  # after the last block
+    details.append(detail if pending != BREAK_NONE else 0)
+    return words, breaks, details
 
 
 @settings(max_examples=300, deadline=None)
 @given(streams)
 def test_scan_blocks_agrees_with_the_reference_parser(recs):
     words = np.array([w for r in recs for w in record_words(*r)], dtype=np.uint64)
-    ids, at, why, resume, unique = scan_blocks(words)
-    want_words, want_breaks, want_resumes = reference(recs)
+    ids, at, why, detail, unique = scan_blocks(words)
+    want_words, want_breaks, want_details = reference(recs)
     assert unique[ids].tolist() == want_words
-    breaks = dense_breaks(ids.size, at, why)
+    breaks = dense_breaks(ids.size + 1, at, why)
     assert breaks.tolist() == want_breaks
     assert at.tolist() == np.flatnonzero(breaks).tolist()  # sparse: only real breaks
-    interrupt = why == BREAK_INTERRUPT
-    assert resume[interrupt].tolist() == np.array(want_resumes)[at[interrupt]].tolist()
+    assert detail.tolist() == np.array(want_details, np.uint64)[at].tolist()
     assert len(set(unique.tolist())) == unique.size  # each distinct block interned once
     if words.size:
         parsed = parse_words(words)
@@ -89,7 +93,7 @@ def test_scan_blocks_agrees_with_the_reference_parser(recs):
 
 def reference_branches(b: Blocks) -> list[tuple[int, int, int, int]]:
     """decode.branches_of, one block pair at a time."""
-    reasons = zip(b.break_kind.tolist(), b.break_resume.tolist(), strict=True)
+    reasons = zip(b.break_kind.tolist(), b.break_detail.tolist(), strict=True)
     breaks = dict(zip(b.break_at.tolist(), reasons, strict=True))
     out = []
     for i in range(b.ids.size - 1):
@@ -145,7 +149,7 @@ def test_branches_of_agrees_with_a_pairwise_reference(blocks_spec, rnd):
         ids=ids,
         break_at=at,
         break_kind=why,
-        break_resume=np.array([rnd.randrange(1, 1 << 40) for _ in at], np.uint64),
+        break_detail=np.array([rnd.randrange(1, 1 << 40) for _ in at], np.uint64),
         start=start,
         last=start + np.array(offsets, np.uint64),
         kind=np.array(kinds, np.uint8),

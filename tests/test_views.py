@@ -17,6 +17,7 @@ import branchtrace
 from branchtrace.analysis.kernels import HOW_CALL
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
+FORK_NAMES = {"fork", "__fork", "__libc_fork"}
 
 
 def bt(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[str]:
@@ -186,3 +187,53 @@ def test_views_of_a_follow_fork_recording_keep_each_process_apart(tmp_path, prog
     assert {r["tid"] for r in rows} == {child}
     names = [r["function"] for r in rows if r["module"] == "fork"]
     assert names.count("f") == 5 and "main" in names
+
+
+def test_views_mark_where_fork_ran_untraced(tmp_path, programs):
+    # A thread runs fork() outside Stalker (GAP records): the views say so where it
+    # happened instead of joining the branch into fork() to the one after it.
+    rounds = 3
+    out = recorded(tmp_path, programs["forkloop"], str(rounds), "0")
+    tid = branchtrace.open(out).meta["pid"]
+    rows = jsonl(bt("show", out, "-n", "100000", "--json"))
+    marks = [k for k, r in enumerate(rows) if "break" in r]
+    assert len(marks) == rounds
+    for k in marks:
+        mark, newer, older = rows[k], rows[k - 1], rows[k + 1]
+        assert (mark["break"], mark["reason"], mark["lost"]) == ("untraced", "fork", 0)
+        assert mark["tid"] == tid
+        # newest first: fork() was entered before the mark, and main runs on after it
+        assert older["to_sym"] in FORK_NAMES and newer["from_sym"].startswith("main+")
+    assert [r["index"] for r in rows if "index" in r] == list(range(len(rows) - rounds))
+    assert bt("show", out, "-n", "100000").stdout.count("[fork() ran here, untraced]") == rounds
+
+    calls = jsonl(bt("calls", out, "--json"))
+    marks = [k for k, r in enumerate(calls) if "break" in r]
+    assert len(marks) == rounds
+    assert all(calls[k - 1]["function"] in FORK_NAMES for k in marks)
+    assert all(calls[k + 1]["function"] == "main" for k in marks)
+    assert bt("calls", out).stdout.count("-- fork() ran here, untraced") == rounds
+
+    insns = jsonl(bt("insns", out, "-n", "100000", "--json"))
+    marks = [k for k, r in enumerate(insns) if "break" in r]
+    assert len(marks) == rounds
+    assert all(insns[k - 1]["sym"] in FORK_NAMES for k in marks)
+    assert all(insns[k + 1]["sym"].startswith("main+") for k in marks)
+
+
+def test_views_mark_where_records_were_lost_and_how_many(tmp_path, programs):
+    # drop mode, a ring the drain cannot keep up with: every loss shows where it happened,
+    # and the losses shown add up to the count the store keeps
+    out = recorded(tmp_path, programs["fib"], "26", mode="drop", buffer_size="512K")
+    t = branchtrace.open(out)
+    (tid,) = t.threads
+    lost = t.meta["threads"][str(tid)]["lost"]
+    assert lost > 0
+    rows = jsonl(bt("show", out, "-n", "100000000", "--json"))
+    marks = [r for r in rows if "break" in r]
+    assert marks and all(r["break"] == "lost" and r["reason"] is None for r in marks)
+    assert sum(r["lost"] for r in marks) == lost
+    assert len(rows) - len(marks) == t.branches(tid).size
+    text = bt("show", out, "-n", "100000000").stdout
+    assert text.count(" records lost here]") == len(marks)
+    assert f"[{marks[0]['lost']:,} records lost here]" in text

@@ -3,15 +3,17 @@ privileges."""
 
 from .decode import BRANCH_DTYPE, Blocks, branches_of, scan
 from .timeline import thread_records, with_switches
-from .trace import CALL_DTYPE, CallHistory, Trace, open
+from .trace import BREAK_DTYPE, CALL_DTYPE, CallHistory, Trace, describe_break, open
 
 __all__ = [
     "BRANCH_DTYPE",
+    "BREAK_DTYPE",
     "CALL_DTYPE",
     "Blocks",
     "CallHistory",
     "Trace",
     "branches_of",
+    "describe_break",
     "open",
     "scan",
     "thread_records",

@@ -53,7 +53,7 @@ class Blocks:
     ids: np.ndarray  #: int32, oldest first
     break_at: np.ndarray  #: int64: the chain breaks right before these blocks ...
     break_kind: np.ndarray  #: uint8 kernels.BREAK_*: ... for these reasons ...
-    break_resume: np.ndarray  #: uint64: ... and an INTERRUPT resumes the code here
+    break_detail: np.ndarray  #: uint64: ... with these details (kernels.scan_blocks)
     start: np.ndarray  #: uint64 per distinct block
     last: np.ndarray  #: uint64 per distinct block: address of its last instruction
     kind: np.ndarray  #: uint8 per distinct block: BranchKind of its last instruction, or 0
@@ -76,7 +76,7 @@ class Blocks:
             self.ids,
             self.break_at,
             self.break_kind,
-            self.break_resume,
+            self.break_detail,
             self.start,
             self.last,
             self.kind,

@@ -69,12 +69,12 @@ def _table(unique, k, bits):  # type: ignore[no-untyped-def]
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind, break_resume):  # type: ignore[no-untyped-def]
+def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind, break_detail):  # type: ignore[no-untyped-def]
     """Scan from state[0] until done or an array is full; state = [i, m, k, nbreaks,
-    pending, pending_resume]."""
+    pending, pending_detail]."""
     n = words.size
     i, m, k, nbreaks, pending = state[0], state[1], state[2], state[3], state[4]
-    pending_resume = np.uint64(state[5])
+    pending_detail = np.uint64(state[5])
     mask = (1 << bits) - 1
     shift = np.uint64(64 - bits)
     why = _DONE
@@ -84,15 +84,22 @@ def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind
             t = (w >> np.uint64(TYPE_SHIFT)) & np.uint64(TYPE_MASK)
             length = np.int64((w >> np.uint64(LEN_SHIFT)) & np.uint64(LEN_MASK))
             if t == _LOST or t == _FAR:  # noqa: SIM109 (numba: no tuple of globals)
+                if pending != BREAK_LOST:
+                    pending_detail = np.uint64(0)
                 pending = BREAK_LOST
+                if t == _FAR:  # a block above 2^47: no user-space code is there
+                    pending_detail += np.uint64(1)
+                elif length >= 1 and i + 1 < n:
+                    pending_detail += words[i + 1]
             elif t == _GAP:
                 # a signal handler's gap is inside a block: the thread resumes where it
                 # was, so the chain holds; any other gap breaks it
                 if (w & np.uint64(0xFF)) != _GAP_SIGNAL and pending != BREAK_LOST:
                     pending = BREAK_GAP
+                    pending_detail = w & np.uint64(0xFF)
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _INTERRUPT and i + 1 < n:
                 pending = BREAK_INTERRUPT
-                pending_resume = words[i + 1]
+                pending_detail = words[i + 1]
             i += 1 + length
             continue
         if w == 0:
@@ -121,26 +128,27 @@ def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind
         if pending != 0:
             break_at[nbreaks] = m
             break_kind[nbreaks] = pending
-            break_resume[nbreaks] = pending_resume
+            break_detail[nbreaks] = pending_detail
             nbreaks += 1
             pending = 0
         m += 1
         i += 1
     state[0], state[1], state[2], state[3], state[4] = i, m, k, nbreaks, pending
-    state[5] = np.int64(pending_resume)
+    state[5] = np.int64(pending_detail)
     return why
 
 
 def scan_blocks(
     words: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(ids int32, break_at int64, break_kind uint8, break_resume uint64, unique uint64).
+    """(ids int32, break_at int64, break_kind uint8, break_detail uint64, unique uint64).
 
     ids[i] names the i-th executed block: unique[ids[i]] is its BLOCK word (4 bytes per
     executed block: traces of 100M+ blocks must fit in memory).  Breaks are rare, so they
-    are sparse: the chain is broken right before block break_at[j], for the reason
-    break_kind[j]; for an INTERRUPT, break_resume[j] is where the interrupted code would
-    have continued."""
+    are sparse: the chain is broken right before block break_at[j] (len(ids): after the
+    last block), for the reason break_kind[j]; break_detail[j] is, for an INTERRUPT, where
+    the interrupted code would have continued, for a GAP its GapReason, and for LOST how
+    many records were lost."""
     words = np.ascontiguousarray(words, np.uint64)
     ids = np.empty(words.size, np.int32)
     bits = 4
@@ -160,7 +168,12 @@ def scan_blocks(
         else:
             breaks = (_doubled(breaks[0]), _doubled(breaks[1]), _doubled(breaks[2]))
     m, k, nbreaks = int(state[1]), int(state[2]), int(state[3])
-    return ids[:m], breaks[0][:nbreaks], breaks[1][:nbreaks], breaks[2][:nbreaks], unique[:k]
+    at, why, detail = breaks[0][:nbreaks], breaks[1][:nbreaks], breaks[2][:nbreaks]
+    if state[4] != BREAK_NONE:  # records lost, or code untraced, after the last block
+        at = np.append(at, np.int64(m))
+        why = np.append(why, np.uint8(state[4]))
+        detail = np.append(detail, state[5:6].view(np.uint64))
+    return ids[:m], at, why, detail, unique[:k]
 
 
 def block_bounds(unique: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -177,7 +190,7 @@ def branch_part(
     ids,
     break_at,
     break_kind,
-    break_resume,
+    break_detail,
     start,
     last,
     kind,
@@ -199,7 +212,7 @@ def branch_part(
             j += 1
         if j < nbrk and break_at[j] == i + 1:
             if break_kind[j] == BREAK_INTERRUPT:
-                out_from[c] = break_resume[j]
+                out_from[c] = break_detail[j]
                 out_to[c] = start[b]
                 out_kind[c] = _INTERRUPT_KIND
                 out_block[c] = i + 1
@@ -243,7 +256,7 @@ def _calls_part(
     ids,
     break_at,
     break_kind,
-    break_resume,
+    break_detail,
     start,
     last,
     kind,
@@ -282,7 +295,7 @@ def _calls_part(
             j_break += 1
         if j_break < nb_breaks and break_at[j_break] == i + 1:
             brk = break_kind[j_break]
-            resume = break_resume[j_break]
+            resume = break_detail[j_break]
         if brk == BREAK_INTERRUPT:
             # a signal handler entered: like a call that returns to `resume`
             ret[sp] = resume
@@ -354,7 +367,7 @@ def call_segments(
     ids: np.ndarray,
     break_at: np.ndarray,
     break_kind: np.ndarray,
-    break_resume: np.ndarray,
+    break_detail: np.ndarray,
     start: np.ndarray,
     last: np.ndarray,
     kind: np.ndarray,
@@ -383,7 +396,7 @@ def call_segments(
     first = int(func[ids[0]])
     seg[0][0], seg[1][0], seg[2][0], seg[3][0] = 0, 0, first, HOW_START
     state = np.array([0, 0, 0, first, 1, 0], np.int64)
-    args = (ids, break_at, break_kind, break_resume, start, last, kind, size, func, func_start)
+    args = (ids, break_at, break_kind, break_detail, start, last, kind, size, func, func_start)
     while True:
         why = _calls_part(*args, state, ret, caller, *seg)
         if why == _DONE:

@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..store.format import GapReason
 from ..store.tracedir import TraceDir, thread_label
 from ..symbols import ModuleMap
 from .decode import Blocks, branches_of, scan
-from .kernels import HOW_CALL, HOW_TAIL, call_segments
+from .kernels import BREAK_GAP, BREAK_INTERRUPT, BREAK_LOST, HOW_CALL, HOW_TAIL, call_segments
 
 CALL_DTYPE = np.dtype(
     [
@@ -35,6 +36,25 @@ CALL_DTYPE = np.dtype(
     align=True,
 )
 HOW_NAMES = ("start", "call", "return", "tail call", "unwind", "jump", "resume", "signal")
+
+BREAK_DTYPE = np.dtype(
+    [
+        ("block", "<i8"),  #: the chain breaks right before this block (index, as CALL_DTYPE's)
+        ("lost", "<u8"),  #: records lost there (LOST records); 0 for untraced code
+        ("untraced", "u1"),  #: GapReason of the untraced code that ran there; 0 for a loss
+    ],
+    align=True,
+)
+
+
+def describe_break(row: np.void) -> str:
+    """One line for a break of the chain (a BREAK_DTYPE row), as the views print it."""
+    if int(row["untraced"]) == GapReason.FORK:
+        return "fork() ran here, untraced"
+    if int(row["untraced"]):
+        return f"untraced code ran here (gap reason {int(row['untraced'])})"
+    lost = int(row["lost"])
+    return f"{lost:,} records lost here" if lost else "records lost here"
 
 
 @dataclass
@@ -109,6 +129,19 @@ class Trace:
             self._check_tid(tid)
             self._blocks[tid] = scan(self.words(tid), self.modules(tid))
         return self._blocks[tid]
+
+    def breaks(self, tid: int) -> np.ndarray:
+        """Where the thread's chain of blocks breaks, oldest first (BREAK_DTYPE): records
+        were lost there, or code ran untraced (fork()).  No branch is inferred across a
+        break.  A signal the step engine saw delivered is a branch (INTERRUPT), not a break."""
+        blocks = self.blocks(tid)
+        keep = blocks.break_kind != BREAK_INTERRUPT
+        out = np.zeros(int(keep.sum()), BREAK_DTYPE)
+        out["block"] = blocks.break_at[keep]
+        kind, detail = blocks.break_kind[keep], blocks.break_detail[keep]
+        out["lost"] = np.where(kind == BREAK_LOST, detail, 0)
+        out["untraced"] = np.where(kind == BREAK_GAP, detail, 0)
+        return out
 
     def _check_tid(self, tid: int) -> None:
         if tid not in self.threads:

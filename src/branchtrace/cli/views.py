@@ -18,11 +18,12 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from ..analysis import CallHistory, Trace
+from ..analysis import CallHistory, Trace, describe_break
 from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL, within_calls
 from ..analysis.trace import HOW_NAMES
 from ..errors import UsageError
 from ..store import BranchKind
+from ..store.format import GapReason
 from ..store.tracedir import parse_thread_label, thread_id, thread_label
 
 out = Console(highlight=False, soft_wrap=True)
@@ -38,6 +39,55 @@ def _print_whole(table: Table) -> None:
         out.print(table)
     finally:
         out.width = width
+
+
+class _Lines:
+    """Plain lines written in bulk, styled ones through rich between them: rich prints
+    a line in about 50 us, which made `calls` of a 4M-branch trace take 75 s."""
+
+    def __init__(self) -> None:
+        self.batch: list[str] = []
+
+    def add(self, text: str) -> None:
+        self.batch.append(text + "\n")
+        if len(self.batch) >= 50_000:
+            self.flush()
+
+    def styled(self, text: str, style: str) -> None:
+        if not out.is_terminal:  # rich would drop the style too
+            self.add(text)
+            return
+        self.flush()
+        out.print(text, style=style, markup=False, highlight=False)
+
+    def flush(self) -> None:
+        out.file.write("".join(self.batch))
+        self.batch = []
+
+
+def _print_columns(header: tuple[str, ...], rows: list[tuple[str, ...] | str]) -> None:
+    """Rows under `header` in aligned columns (the first right-aligned), nothing cut short;
+    a str row is a note (a break of the chain), printed in the second column."""
+    cells = [r for r in rows if not isinstance(r, str)]
+    widths = [max(len(c) for c in column) for column in zip(header, *cells, strict=True)]
+    indent = " " * (widths[0] + 2)
+
+    def line(cols: tuple[str, ...]) -> str:
+        first = cols[0].rjust(widths[0])
+        rest = (c.ljust(w) for c, w in zip(cols[1:-1], widths[1:-1], strict=True))
+        return "  ".join((first, *rest, cols[-1]))
+
+    lines = _Lines()
+    lines.styled(line(header), "bold")
+    for row in rows:
+        if isinstance(row, str):
+            lines.styled(indent + row, _BREAK_STYLE)
+        else:
+            lines.add(line(row))
+    lines.flush()
+
+
+_BREAK_STYLE = "bold yellow"
 
 
 path_argument = click.argument(
@@ -99,6 +149,33 @@ def _heading(trace: Trace, tid: int, what: str) -> None:
     out.print(f"[bold]thread {thread_label(tid)}{process}[/bold]: {what}")
 
 
+def _breaks_among(breaks: np.ndarray, row_blocks: np.ndarray, oldest: int) -> dict[int, list]:
+    """The breaks of the chain (Trace.breaks rows) that fall among rows ordered by block
+    index, by the row each comes right before (len(rows): after the last).  Breaks before
+    block `oldest` are left out: they are older than what the rows show."""
+    kept = breaks[breaks["block"] >= oldest]
+    slots: dict[int, list] = {}
+    where = np.searchsorted(row_blocks, kept["block"], side="left").tolist()
+    for k, row in zip(where, kept, strict=True):
+        slots.setdefault(k, []).append(row)
+    return slots
+
+
+def _break_json(t: int, row: np.void) -> str:
+    untraced = int(row["untraced"])
+    reason = GapReason(untraced).name.lower() if untraced in set(GapReason) else untraced
+    return json.dumps(
+        {
+            "tid": thread_id(t),
+            "thread": thread_label(t),
+            "break": "untraced" if untraced else "lost",
+            "reason": reason if untraced else None,
+            "lost": int(row["lost"]),
+            "text": describe_break(row),
+        }
+    )
+
+
 # -- show ------------------------------------------------------------------------------------
 
 
@@ -111,12 +188,23 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
     """The tail of the trace: the newest branches first (0 = newest), like the seed's GET."""
     trace = Trace(path)
     for t in _threads(trace, tid):
-        tail = trace.branches(t, last=max(count, 0))[::-1]
+        oldest_first = trace.branches(t, last=max(count, 0))
+        # the whole trace is shown: breaks before its first branch belong too
+        whole = oldest_first.size < count
+        oldest = 0 if whole or oldest_first.size == 0 else int(oldest_first["block"][0])
+        slots = _breaks_among(trace.breaks(t), oldest_first["block"], oldest) if count > 0 else {}
+        # newest first: the breaks go before the row they follow in time
+        breaks_above = {oldest_first.size - k: texts for k, texts in slots.items()}
+        tail = oldest_first[::-1]
         modules = trace.modules(t)
         src_sym, dst_sym = modules.symbolize(tail["from"]), modules.symbolize(tail["to"])
         src_line, dst_line = modules.source_lines(tail["from"]), modules.source_lines(tail["to"])
         if as_json:
-            for i, b in enumerate(tail):
+            for i, b in enumerate([*tail, None]):
+                for brk in breaks_above.get(i, ()):
+                    click.echo(_break_json(t, brk))
+                if b is None:
+                    break
                 row = {
                     "index": i,
                     "tid": thread_id(t),
@@ -132,17 +220,14 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
                 click.echo(json.dumps(row))
             continue
         _heading(trace, t, f"the last {len(tail)} branches, newest first")
-        table = Table(box=None, header_style="bold", pad_edge=False)
-        for col in ("#", "from", "to", "kind"):
-            table.add_column(col, justify="right" if col == "#" else "left")
-        for i, b in enumerate(tail):
-            table.add_row(
-                str(i),
-                _where(src_sym[i], src_line[i]),
-                _where(dst_sym[i], dst_line[i]),
-                _kind_name(int(b["kind"])),
-            )
-        _print_whole(table)
+        rows: list[tuple[str, ...] | str] = []
+        kinds = [_kind_name(k) for k in tail["kind"].tolist()]
+        for i in range(tail.size + 1):
+            rows += [f"[{describe_break(brk)}]" for brk in breaks_above.get(i, ())]
+            if i < tail.size:
+                src, dst = _where(src_sym[i], src_line[i]), _where(dst_sym[i], dst_line[i])
+                rows.append((str(i), src, dst, kinds[i]))
+        _print_columns(("#", "from", "to", "kind"), rows)
 
 
 # -- calls -----------------------------------------------------------------------------------
@@ -179,8 +264,19 @@ def calls(
         rows = _selected(history, function, max_depth)
         seg = history.segments
         labels = _labels(history, trace.modules(t), seg[rows])
+        # a break shows before the first segment that begins at or after it, when that
+        # segment is printed (or at the end, after the last segment)
+        breaks_before = _breaks_among(trace.breaks(t), seg["first_block"], 0)
+        shown = set(rows.tolist())
+        if seg.size - 1 in shown:
+            shown.add(seg.size)
+        breaks_before = {k: v for k, v in breaks_before.items() if k in shown}
         if as_json:
-            for i, label in zip(rows.tolist(), labels, strict=True):
+            for i, label in zip([*rows.tolist(), seg.size], [*labels, ""], strict=True):
+                for brk in breaks_before.get(i, ()):
+                    click.echo(_break_json(t, brk))
+                if i == seg.size:
+                    break
                 s = seg[i]
                 fid = int(s["function"])
                 click.echo(
@@ -208,12 +304,17 @@ def calls(
         _heading(trace, t, f"{len(rows):,} of {seg.size:,} call-history segments{note}")
         modules = trace.modules(t)
         lines = modules.source_lines(seg["address"][rows]) if rows.size <= 100_000 else None
-        for k, (i, label) in enumerate(zip(rows.tolist(), labels, strict=True)):
-            s = seg[i]
-            how = int(s["how"])
-            mark = " [signal handler]" if how == HOW_SIGNAL else ""
+        text = _Lines()
+        depths, hows = seg["depth"].tolist(), seg["how"].tolist()
+        for k, (i, label) in enumerate(zip([*rows.tolist(), seg.size], [*labels, ""], strict=True)):
+            for brk in breaks_before.get(i, ()):
+                text.styled(f"{'':>6}  -- {describe_break(brk)}", _BREAK_STYLE)
+            if i == seg.size:
+                break
+            mark = " [signal handler]" if hows[i] == HOW_SIGNAL else ""
             src = f"  {lines[k]}" if lines and lines[k] else ""
-            out.print(f"{i:>6}  {'  ' * int(s['depth'])}{label}{mark}{src}", markup=False)
+            text.add(f"{i:>6}  {'  ' * depths[i]}{label}{mark}{src}")
+        text.flush()
 
 
 def _labels(history: CallHistory, modules: Any, rows: np.ndarray) -> list[str]:
@@ -279,8 +380,15 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
         crashed = trace.meta.get("signal") if trace.meta.get("engine") != "step" else None
         addresses = np.array([r[0] for r in rows], dtype=np.uint64)
         syms, lines = modules.symbolize(addresses), modules.source_lines(addresses)
+        row_blocks = np.array([r[2] for r in rows], dtype=np.int64)
+        oldest = int(row_blocks[0]) if rows else 0
+        breaks_before = _breaks_among(trace.breaks(t), row_blocks, oldest)
         if as_json:
-            for (address, text, block), sym, line in zip(rows, syms, lines, strict=True):
+            for k, ((address, text, block), sym, line) in enumerate(
+                zip(rows, syms, lines, strict=True)
+            ):
+                for brk in breaks_before.get(k, ()):
+                    click.echo(_break_json(t, brk))
                 click.echo(
                     json.dumps(
                         {
@@ -298,15 +406,22 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
             continue
         _heading(trace, t, f"the last {len(rows)} instructions, oldest first")
         previous = None
-        for (address, text, block), sym, line in zip(rows, syms, lines, strict=True):
+        printed = _Lines()
+        for k, ((address, text, block), sym, line) in enumerate(
+            zip(rows, syms, lines, strict=True)
+        ):
+            for brk in breaks_before.get(k, ()):
+                printed.styled(f"-- {describe_break(brk)}", _BREAK_STYLE)
+                previous = None
             if crashed and block == last_block and previous != "crash":
                 name = _signal_name(int(crashed))
-                out.print(f"[bold red]-- the program crashed ({name}) within this block:[/]")
+                printed.styled(f"-- the program crashed ({name}) within this block:", "bold red")
                 previous = "crash"
             if line and line != previous:
-                out.print(f"[dim]{line}[/dim]")
+                printed.styled(line, "dim")
                 previous = line
-            out.print(f"  {address:#014x} {sym:<32} {text}", markup=False)
+            printed.add(f"  {address:#014x} {sym:<32} {text}")
+        printed.flush()
 
 
 def _signal_name(number: int) -> str:
