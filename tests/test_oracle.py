@@ -4,7 +4,10 @@ For each fixture both engines record the program; the branches that touch the ma
 executable, from main to the end of the process (exit()'s handlers and destructors
 included), must be the same sequence (addresses taken relative to their module, since the
 two runs are placed differently), per thread, and so must the calls of the executable's
-functions in the call history.
+functions in the call history.  The libraries' branches differ between the runs (Frida's
+threads make libc take its multi-threaded paths), so there each engine's trace is checked
+against the code itself: every branch, in every module, must be one, and the code between
+two must run straight (`discontinuities`).
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 
 import branchtrace
-from branchtrace.analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_TAIL
+from branchtrace.analysis.kernels import BREAK_INTERRUPT, HOW_CALL, HOW_SIGNAL, HOW_TAIL
 from branchtrace.store import BranchKind
+from branchtrace.x86 import NOT_A_BRANCH, classify
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
 
@@ -37,6 +43,11 @@ FIXTURES = {
     "lifecycle": ((), "sum 6"),
     "threadend": ((), "done"),
 }
+
+
+DIRECT = (BranchKind.CALL, BranchKind.JUMP, BranchKind.CONDITIONAL)
+#: what code runs through on its way to the next taken branch
+STRAIGHT = (NOT_A_BRANCH, BranchKind.CONDITIONAL, BranchKind.SYSCALL)
 
 
 def record(out: Path, engine: str, program: Path, *args: str) -> subprocess.CompletedProcess:
@@ -120,6 +131,58 @@ def exe_calls(trace: branchtrace.Trace, tid: int, exe: str) -> list[str]:
     return names
 
 
+def discontinuities(trace: branchtrace.Trace, tid: int) -> tuple[list[str], int]:
+    """Each way the thread's branches, in every module, disagree with the code on disk, and
+    how many branches were checked.  The instruction at a branch's `from` must be a branch
+    of its kind, to its `to` if direct; from one branch's `to` the code must run straight
+    (past not-taken conditionals and system calls) to the next branch's `from`, unless the
+    chain breaks between them.  A missing or an invented branch fails one of these."""
+    modules = trace.modules(tid)
+    b = trace.branches(tid)
+    cs = Cs(CS_ARCH_X86, CS_MODE_64)
+    cs.detail = True
+    decoded: dict[int, object] = {}
+
+    def insn(address: int):  # type: ignore[no-untyped-def]
+        if address not in decoded:
+            m = int(modules.index(np.array([address], np.uint64))[0])
+            image = modules.image(m) if m >= 0 else None
+            code = image.read(modules.file_address(m, address), 16) if image else b""
+            decoded[address] = next(cs.disasm(code, address, 1), None)
+        return decoded[address]
+
+    problems: list[str] = []
+    checked = 0
+    for src, dst, kind in np.unique(b[["from", "to", "kind"]]).tolist():
+        i = insn(src)
+        if i is None or kind == BranchKind.INTERRUPT:
+            continue  # the vDSO is not on disk
+        checked += 1
+        if classify(i.bytes, src)[0] != kind:
+            problems.append(f"{src:#x} {i.mnemonic} {i.op_str} recorded as {kind}")
+        elif kind in DIRECT and i.operands[0].imm != dst:
+            problems.append(f"{src:#x} {i.mnemonic} {i.op_str} recorded going to {dst:#x}")
+    blocks = trace.blocks(tid)
+    breaks = np.sort(blocks.break_at[blocks.break_kind != BREAK_INTERRUPT])
+    crossed = np.searchsorted(breaks, b["block"], side="right")
+    joined = np.flatnonzero(crossed[1:] == crossed[:-1])
+    runs = np.unique(np.stack([b["to"][joined], b["from"][joined + 1]], axis=1), axis=0)
+    for start, end in runs.tolist():
+        pc = start
+        while pc != end:
+            i = insn(pc)
+            if i is None:
+                break
+            if classify(i.bytes, pc)[0] not in STRAIGHT:
+                problems.append(f"from {start:#x} a {i.mnemonic} at {pc:#x} before {end:#x}")
+                break
+            pc += i.size
+            if pc - start > 1 << 16:
+                problems.append(f"from {start:#x} the code never reaches {end:#x}")
+                break
+    return problems, checked
+
+
 def thread_order(trace: branchtrace.Trace) -> list[int]:
     """Threads by the order they started (the main thread first)."""
     return sorted(trace.threads, key=lambda t: (t != trace.meta["pid"], t))
@@ -140,6 +203,9 @@ def test_stalker_matches_the_step_oracle(tmp_path, programs, name):
     assert len(step.threads) == len(stalker.threads)
     exe = program.name
     for t_step, t_stalker in zip(thread_order(step), thread_order(stalker), strict=True):
+        for trace, tid in ((step, t_step), (stalker, t_stalker)):
+            problems, checked = discontinuities(trace, tid)  # every module, libc's too
+            assert checked > 50 and not problems, problems[:10]
         reference = exe_branches(step, t_step, exe, handlers=False)
         assert len(reference) > 3
         assert exe_branches(stalker, t_stalker, exe) == reference
