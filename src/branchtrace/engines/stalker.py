@@ -54,6 +54,7 @@ from ..store.tracedir import (
     thread_key,
     thread_label,
 )
+from .asleep import let_go
 from .base import (
     Events,
     RecordOptions,
@@ -337,6 +338,28 @@ def _detached(session: Any) -> bool:
     except AgentTimeoutError:
         return False
     return True
+
+
+def _let_go_asleep(pid: int, agent: _Agent, asleep: list[int]) -> list[int]:
+    """Let go of the threads of `pid` that sleep in a system call since the recording ended
+    (asleep.let_go), so that Frida can unload its agent now and the process keeps no ring
+    mapped; the threads that could not be let go of."""
+    exports = agent.script.exports_sync
+
+    def address(tid: int) -> int | None:
+        at = _bounded(exports.asleep_at, tid)
+        return int(at) if at else None
+
+    return [
+        tid
+        for tid in asleep
+        if not let_go(
+            pid,
+            int(tid),
+            lambda tid=tid: address(tid),
+            lambda how, tid=tid: bool(_bounded(exports.let_go_asleep, tid, how)),
+        )
+    ]
 
 
 def _unloading_later(process: str, asleep: list[int]) -> str:
@@ -1354,8 +1377,10 @@ class _ForkFollower:
         self._let_go_of.add(pid)
         try:
             stopped = _stop_agent(agent) if agent is not None else {}
+            asleep = stopped.get("asleep", [])
+            if agent is not None:
+                asleep = _let_go_asleep(pid, agent, asleep)
             if not _detached(session):
-                asleep = stopped.get("asleep", [])
                 self.rec._error(_unloading_later(f"forked child {pid}", asleep))
         except AgentTimeoutError:
             self.rec._error(_stuck_agent(f"forked child {pid}", agent is not None and agent.frozen))
@@ -1723,8 +1748,8 @@ class StalkerEngine:
                     result.warnings.append(
                         f"{far} blocks were not traced (above 2^47, or no memory for them)"
                     )
+                asleep = _let_go_asleep(pid, agent, stopped.get("asleep", []))
                 if not _detached(session):
-                    asleep = stopped.get("asleep", [])
                     result.warnings.append(_unloading_later(f"pid {pid}", asleep))
                     agent_stays = True
                 result.detached = True

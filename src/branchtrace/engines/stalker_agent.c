@@ -95,7 +95,8 @@ typedef struct {
   uint8_t *scratch_area; /* the mapping `scratch` lies in */
   uint8_t *exec_ctx;     /* Stalker's GumExecCtx for the thread, as its last block compiled */
   volatile int leaving;  /* the recording has ended: leave Stalker at the next chunk callout */
-  int left;              /* that callout came (bt_thread_let_go) */
+  int left;              /* that callout came (bt_thread_let_go), or the host moved it out */
+  uint64_t syscall_at;   /* the program's system call instruction the thread last entered */
 } BtThread;
 
 #define BT_MAX_THREADS 4096
@@ -255,6 +256,7 @@ static void refill(BtThread *t) {
 static void leave_c(BtThread *t);
 
 static int leave_stalker(BtThread *t);
+static void release_left_thread(BtThread *t);
 
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
@@ -262,6 +264,7 @@ static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
     t->left = 1;
     if (leave_stalker(t)) {
       WP(t) = (uint64_t)t->scratch + BT_CHUNK; /* at a chunk's end: the block leaves */
+      release_left_thread(t);
       return;
     }
   }
@@ -532,6 +535,28 @@ int bt_thread_let_go(BtThread *t) {
   return 0;
 }
 
+/* The address in the program of the system call instruction the thread last entered (0:
+   none), for the host when the thread is asleep in that call at the end of a recording:
+   its registers there are the program's, so the host can move it out of Stalker's copy of
+   the instruction to the instruction itself (stalker.py, _move_out_asleep). */
+uint64_t bt_thread_asleep_at(BtThread *t) {
+  return t->syscall_at;
+}
+
+/* The host has let go of the thread, stopped asleep in a system call (asleep.py): it moved
+   it out of Stalker's code (`moved`: Stalker may free what it keeps for the thread, as once
+   it leaves by itself), or found it in the program's own code with nothing of Frida's on
+   its stack.  Either way it runs no more compiled code, and its mappings go.  Whether
+   Stalker's context for it was let go of too (`moved`), or 1. */
+int bt_thread_let_go_asleep(BtThread *t, int moved) {
+  if (t->left)
+    return 1;
+  t->left = 1;
+  int left = moved ? leave_stalker(t) : 1;
+  release_left_thread(t);
+  return left;
+}
+
 static BtThread *current_thread(void) {
   uint32_t tid = (uint32_t)syscall(186 /* gettid */);
   for (int i = 0; i < STATE->nthreads; i++) {
@@ -703,6 +728,30 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
    mapped and opened for it goes, where a program that starts and ends many threads would
    otherwise keep every one of them (the 4 KiB page of its BtThread stays: the agent still
    reads its tid and state there), and its slot is free for the next thread. */
+/* A thread out of Stalker for good (leave_stalker) runs no more of the code compiled for
+   it, so what was mapped for it goes: a process that runs on after a recording keeps no
+   mapping of the trace directory's files (a later recording of it was refused as "already
+   traced", and deleting the directory did not free its space).  The check compiled after
+   its chunk callout still reads `wp` in the ring's header page as the thread leaves: that
+   page becomes a private copy in place rather than a hole. */
+static void release_left_thread(BtThread *t) {
+  if (t->reserve == NULL)
+    return;
+  if (t->header32 != NULL) {
+    uint64_t *copy = (uint64_t *)t->scratch_area, *page = (uint64_t *)t->header32;
+    for (int i = 0; i < 512; i++)
+      copy[i] = page[i];
+    mmap(t->header32, 4096, 3 /* PROT_READ|WRITE */, 0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1,
+         0);
+    for (int i = 0; i < 512; i++)
+      page[i] = copy[i];
+  }
+  munmap(t->reserve, t->reserve_size); /* the ring and its block table */
+  munmap(t->scratch_area, 2 * BT_CHUNK);
+  t->reserve = NULL;
+  give_back_slot(t);
+}
+
 static void release_ended_thread(BtThread *t) {
   if (t->reserve == NULL)
     return;
@@ -1475,6 +1524,17 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
                                uint64_t address) {
   /* labels of this syscall instruction's own: its address with high bits set */
   gconstpointer go = (gconstpointer)(address | (1ULL << 63));
+  /* t->syscall_at = address (bt_thread_asleep_at), in rcx, which the instruction overwrites;
+     the flags stay.  movabs rcx, &t->syscall_at; mov dword [rcx], low; mov dword [rcx+4], high */
+  uint8_t note_address[23] = {0x48, 0xb9, [10] = 0xc7, 0x01, [16] = 0xc7, 0x41, 0x04};
+  uint64_t field = (uint64_t)&t->syscall_at;
+  for (int i = 0; i < 8; i++)
+    note_address[2 + i] = (uint8_t)(field >> (8 * i));
+  for (int i = 0; i < 4; i++) {
+    note_address[12 + i] = (uint8_t)(address >> (8 * i));
+    note_address[19 + i] = (uint8_t)(address >> (32 + 8 * i));
+  }
+  put_bytes(cw, note_address, sizeof note_address);
   put_check(iterator, cw, t, 3 /* close */, on_close, go,
             (gconstpointer)(address | (1ULL << 62)));
   put_check(iterator, cw, t, 436 /* close_range */, on_close_range, go,

@@ -181,6 +181,9 @@ const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
 const threadLetGo = new NativeFunction(cm.bt_thread_let_go, 'int', ['pointer']);
+const threadAsleepAt = new NativeFunction(cm.bt_thread_asleep_at, 'uint64', ['pointer']);
+const threadLetGoAsleep = new NativeFunction(cm.bt_thread_let_go_asleep, 'int',
+  ['pointer', 'int']);
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', 'pointer']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
@@ -651,6 +654,20 @@ rpc.exports = {
   stop() {
     return finish();
   },
+  // Where thread `tid`, asleep since stop(), entered the last system call it made under
+  // Stalker: the address of the program's instruction (a string), or null.  The host asks
+  // with the thread stopped, and moves it out of Stalker there (asleep.py).
+  asleepAt(tid) {
+    const t = asleepThreads.get(tid);
+    return t === undefined ? null : threadAsleepAt(t).toString();
+  },
+  // The host has let go of thread `tid`, stopped asleep: `how` is 'moved' (out of Stalker's
+  // code) or 'native' (it was in the program's own code).  Whether Stalker's context for
+  // the thread was let go of too (bt_thread_let_go_asleep).
+  letGoAsleep(tid, how) {
+    const t = asleepThreads.get(tid);
+    return t !== undefined && threadLetGoAsleep(t, how === 'moved' ? 1 : 0) === 1;
+  },
   // Ends the trace and lets go of the threads, before child gating goes off; stop() does
   // the rest.
   unfollow() {
@@ -728,11 +745,12 @@ function leftStalker() {
   for (;;) {
     waiting = waiting.filter(([, t]) => threadLetGo(t) === 0);
     if (waiting.length === 0 || Date.now() >= deadline) {
-      return waiting.map(([tid]) => tid);
+      return waiting;
     }
     Thread.sleep(0.005);
   }
 }
+const asleepThreads = new Map(); // tid -> BtThread of the threads leftStalker found asleep
 
 // Frida's own hooks in libc (child gating's on fork(), exec*() and close(), its exit
 // monitor's): functions whose first instruction jumps into Frida's memory.
@@ -762,7 +780,11 @@ function finish() {
     return finished;
   }
   unfollowAll();
-  const asleep = leftStalker();
+  const asleep = [];
+  for (const [tid, t] of leftStalker()) {
+    asleepThreads.set(tid, t);
+    asleep.push(tid);
+  }
   const stillInFork = [...returning.keys()];
   returning.clear();
   let far = farOfEarlier;

@@ -1,0 +1,184 @@
+"""Letting go of the threads that sleep in a system call at the end of an attached
+recording.
+
+A thread leaves Stalker at the next block it runs once the recording has ended, but one
+asleep in a system call (a server waiting for input) runs none until it wakes: Frida kept
+its agent loaded until then, and the ring stayed mapped in the process, which could not be
+recorded again meanwhile ("already traced").  The host stops each such thread as a
+debugger would (PTRACE_SEIZE, PTRACE_INTERRUPT) and finds it in one of two places:
+
+- On Stalker's copy of a `syscall` instruction, with the program's own registers (Gum
+  restores them all before it); the agent notes the program's address of every system call
+  a thread enters.  The host points the thread past the program's own `syscall` and lets
+  it go: the kernel restarts the interrupted call there, natively (it steps back over the
+  instruction for every -ERESTART* code, as after any ptrace stop), or, if the call had
+  just returned, the thread goes on after it.
+- In the program's own code, having never run a block under Stalker since it went to
+  sleep (asleep since before the attach): nothing to move, and nothing of Stalker's or the
+  agent's on its stack, so the agent may let go of its ring.
+
+Anything else (a thread inside a call that Stalker's code or the agent made) is left as it
+was, and keeps the agent until it wakes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from . import ptrace as pt
+
+SYSCALL = b"\x0f\x05"
+#: how much of a native thread's stack is searched for addresses of Frida's code
+STACK_SCAN = 1 << 20
+
+MOVED, NATIVE = "moved", "native"
+
+
+def let_go(
+    pid: int,
+    tid: int,
+    syscall_address: Callable[[], int | None],
+    done: Callable[[str], bool],
+    wait: float = 2.0,
+) -> bool:
+    """Let go of thread `tid` of process `pid`, asleep in a system call since the recording
+    ended: `syscall_address()` is the program's address of the last system call the
+    thread entered under Stalker (asked with the thread stopped), and `done(MOVED)` or
+    `done(NATIVE)` tells the agent what was found and done, with the thread still stopped.
+    Whether the thread is out of Stalker's code.
+
+    ptrace requests must come from the thread that attached, so all of it runs in a thread
+    of its own; one that cannot be stopped within `wait` s (an uninterruptible sleep) is let
+    go untouched as soon as it stops."""
+    outcome: list[bool] = []
+    late = threading.Event()
+    worker = threading.Thread(
+        target=lambda: outcome.append(_let_go(pid, tid, syscall_address, done, late)),
+        name=f"bt-let-go-{tid}",
+        daemon=True,
+    )
+    worker.start()
+    worker.join(wait)
+    if not outcome:
+        late.set()
+        worker.join(0.5)
+    return bool(outcome and outcome[0])
+
+
+def _let_go(
+    pid: int,
+    tid: int,
+    syscall_address: Callable[[], int | None],
+    done: Callable[[str], bool],
+    late: threading.Event,
+) -> bool:
+    try:
+        pt.call(pt.PTRACE_SEIZE, tid)
+    except OSError:  # gone, or traced by another
+        return False
+    pending = 0  # a signal that arrived meanwhile, delivered as the thread goes
+    try:
+        pt.call(pt.PTRACE_INTERRUPT, tid)
+        while True:
+            _, status = os.waitpid(tid, pt.WALL)
+            if not os.WIFSTOPPED(status):
+                return False  # it ended
+            event = status >> 16
+            if event == pt.EVENT_STOP:
+                break
+            if event == 0:  # a signal's delivery stop: the signal goes on with the thread
+                pending = os.WSTOPSIG(status)
+                break
+        if late.is_set():
+            return False
+        regs = pt.getregs(tid)
+        maps = _Maps(pid)
+        if maps.is_frida(regs.rip):
+            address = syscall_address()
+            if address is None or not _on_stalkers_copy_of(pid, maps, regs.rip, address):
+                return False
+            regs.rip = address + len(SYSCALL)
+            pt.setregs(tid, regs)
+            done(MOVED)
+            return True
+        if maps.path(regs.rip).startswith("/") and not _stack_refers_to_frida(pid, maps, regs.rsp):
+            done(NATIVE)
+            return True
+        return False
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            pt.call(pt.PTRACE_DETACH, tid, 0, pending)
+
+
+class _Maps:
+    """The process's mappings: where Frida's code may be (executable memory that is
+    anonymous, Stalker's code and the agent's compiled C, or Frida's agent, a memfd)."""
+
+    def __init__(self, pid: int) -> None:
+        self.rows: list[tuple[int, int, str, str]] = []
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            self.rows.append((lo, hi, fields[1], fields[5] if len(fields) == 6 else ""))
+        frida = [(lo, hi) for lo, hi, perms, path in self.rows if self._frida(perms, path)]
+        self.frida_starts = np.array([lo for lo, _ in frida], np.uint64)
+        self.frida_ends = np.array([hi for _, hi in frida], np.uint64)
+
+    @staticmethod
+    def _frida(perms: str, path: str) -> bool:
+        return "x" in perms and (path == "" or path.startswith("/memfd:"))
+
+    def row(self, address: int) -> tuple[int, int, str, str] | None:
+        return next((r for r in self.rows if r[0] <= address < r[1]), None)
+
+    def path(self, address: int) -> str:
+        row = self.row(address)
+        return row[3] if row else ""
+
+    def is_frida(self, address: int) -> bool:
+        row = self.row(address)
+        return row is not None and self._frida(row[2], row[3])
+
+    def frida_addresses(self, words: np.ndarray) -> bool:
+        """Whether any of `words` points into Frida's code."""
+        if not self.frida_starts.size:
+            return False
+        i = np.searchsorted(self.frida_starts, words, side="right") - 1
+        ok = i >= 0
+        return bool(np.any(ok & (words < self.frida_ends[np.maximum(i, 0)])))
+
+
+def _on_stalkers_copy_of(pid: int, maps: _Maps, rip: int, address: int) -> bool:
+    """The thread stopped right after a `syscall` of Stalker's, and `address` holds the
+    program's own `syscall`, in a file it mapped (not Frida's agent)."""
+    try:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            here = os.pread(mem.fileno(), 2, rip - 2)
+            there = os.pread(mem.fileno(), 2, address)
+    except OSError:
+        return False
+    return here == SYSCALL and there == SYSCALL and maps.path(address).startswith("/")
+
+
+def _stack_refers_to_frida(pid: int, maps: _Maps, rsp: int) -> bool:
+    """Whether the used part of the stack at `rsp` (up to STACK_SCAN bytes) holds an address
+    of Frida's code: a return address if the thread is in a call Stalker's code or the
+    agent made, but a stale value may say so too, which only keeps the thread as it is."""
+    row = maps.row(rsp)
+    if row is None:
+        return True
+    size = min(row[1] - rsp, STACK_SCAN) & ~7
+    try:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            data = os.pread(mem.fileno(), size, rsp)
+    except OSError:
+        return True
+    return maps.frida_addresses(np.frombuffer(data[: len(data) & ~7], np.uint64))
