@@ -1530,6 +1530,31 @@ def test_detaching_from_a_program_asleep_in_a_system_call_leaves_nothing_behind(
         assert target.stdout.read().strip() == "done"
 
 
+def test_detaching_lets_go_of_threads_asleep_in_each_kind_of_system_call(tmp_path, programs):
+    # read(), poll() and nanosleep() with their timeouts, a futex, epoll_wait(): entered
+    # under Stalker, asleep at the end.  Each is moved out of Stalker and its call restarted
+    # natively, the timeouts kept whole -- but epoll_wait(), which a stop would end with
+    # EINTR (a ptrace stop did, in a first version): that thread keeps the agent until it
+    # wakes, and only its ring stays mapped.
+    sleepers = programs["sleepers"]
+    with attach_target(sleepers, 4, stdin=subprocess.PIPE) as target:
+        tool = attached_and_let_go(tmp_path / "d", target, "--duration", "1")
+        _, err = tool.communicate(timeout=60)
+        assert tool.returncode == 0 and f"detached from pid {target.pid}" in err, err
+        assert target.poll() is None
+        named = re.findall(r"only once thread (\d+), asleep", err)
+        assert len(named) == 1, err
+        rings = [line for line in ours_in(target.pid) if line.endswith(".bts")]
+        assert rings and all(line.endswith(f"/T{named[0]}.bts") for line in rings), rings
+        assert target.wait(timeout=30) == 0
+        out = target.stdout.read()
+        assert sorted(out.split("\n")[:-1]) == [
+            f"ok {name}" for name in ("cond", "epoll", "nanosleep", "poll", "read")
+        ]
+    trace = TraceDir.open(tmp_path / "d")
+    assert len(trace.threads()) == 6
+
+
 @pytest.mark.parametrize("mode", ["wrap", "stream"])
 def test_detaching_lets_go_of_threads_looping_in_compiled_code(tmp_path, programs, mode):
     # Stalker lets go of a thread only at its own gates, which blocks it has compiled and

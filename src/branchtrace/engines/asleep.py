@@ -18,13 +18,17 @@ debugger would (PTRACE_SEIZE, PTRACE_INTERRUPT) and finds it in one of two place
   agent's on its stack, so the agent may let go of its ring.
 
 Anything else (a thread inside a call that Stalker's code or the agent made) is left as it
-was, and keeps the agent until it wakes.
+was, and keeps the agent until it wakes.  So is a thread asleep in a call that a stop would
+end with EINTR instead of restarting it (man 7 signal, "Interruption of system call and
+library functions by stop signals": epoll_wait(), semop(), sigtimedwait(), socket calls
+under a timeout): the host reads which call that is from /proc first, without a stop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +38,13 @@ import numpy as np
 from . import ptrace as pt
 
 SYSCALL = b"\x0f\x05"
+#: calls that a stop ends with EINTR, whatever SA_RESTART says: epoll_wait, epoll_pwait,
+#: epoll_pwait2, semop, semtimedop, rt_sigtimedwait
+EINTR_AFTER_STOP = {232, 281, 441, 65, 220, 128}
+#: calls on the fd in their first argument that a stop ends with EINTR when it is a socket
+#: with a receive or send timeout (SO_RCVTIMEO, SO_SNDTIMEO): read, write, readv, writev,
+#: connect, accept, sendto, recvfrom, sendmsg, recvmsg, accept4, recvmmsg, sendmmsg
+SOCKET_CALLS = {0, 1, 19, 20, 42, 43, 44, 45, 46, 47, 288, 299, 307}
 #: how much of a native thread's stack is searched for addresses of Frida's code
 STACK_SCAN = 1 << 20
 
@@ -78,6 +89,8 @@ def _let_go(
     done: Callable[[str], bool],
     late: threading.Event,
 ) -> bool:
+    if not _restarted_after_a_stop(pid, tid):
+        return False
     try:
         pt.call(pt.PTRACE_SEIZE, tid)
     except OSError:  # gone, or traced by another
@@ -116,6 +129,53 @@ def _let_go(
     finally:
         with contextlib.suppress(OSError):
             pt.call(pt.PTRACE_DETACH, tid, 0, pending)
+
+
+def _restarted_after_a_stop(pid: int, tid: int) -> bool:
+    """Whether the system call thread `tid` sleeps in goes on as if nothing happened after
+    a ptrace stop (not one that then fails with EINTR)."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
+    except OSError:
+        return False
+    if not fields or not fields[0].isdigit():  # running, or not in a system call
+        return fields[:1] == ["-1"]
+    number = int(fields[0])
+    if number in EINTR_AFTER_STOP:
+        return False
+    if number in SOCKET_CALLS:
+        return not _socket_with_timeout(pid, int(fields[1], 16))
+    return True
+
+
+def _socket_with_timeout(pid: int, fd: int) -> bool:
+    """Whether fd `fd` of process `pid` is a socket with a receive or send timeout (or
+    could not be told apart from one)."""
+    try:
+        if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+            return False
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return True
+    try:
+        copy = pt.libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd
+        if copy < 0:
+            return True
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            return True
+        try:
+            return any(
+                sock.getsockopt(socket.SOL_SOCKET, option, 16) != bytes(16)
+                for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO)
+            )
+        finally:
+            sock.detach()
+            os.close(copy)
+    finally:
+        os.close(pidfd)
 
 
 class _Maps:
