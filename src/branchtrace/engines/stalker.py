@@ -345,21 +345,19 @@ def _let_go_asleep(pid: int, agent: _Agent, asleep: list[int]) -> list[int]:
     (asleep.let_go), so that Frida can unload its agent now and the process keeps no ring
     mapped; the threads that could not be let go of."""
     exports = agent.script.exports_sync
+    kept = []
+    for tid in map(int, asleep):
 
-    def address(tid: int) -> int | None:
-        at = _bounded(exports.asleep_at, tid)
-        return int(at) if at else None
+        def address(tid: int = tid) -> int | None:
+            at = _bounded(exports.asleep_at, tid)
+            return int(at) if at else None
 
-    return [
-        tid
-        for tid in asleep
-        if not let_go(
-            pid,
-            int(tid),
-            lambda tid=tid: address(tid),
-            lambda how, tid=tid: bool(_bounded(exports.let_go_asleep, tid, how)),
-        )
-    ]
+        def done(how: str, tid: int = tid) -> bool:
+            return bool(_bounded(exports.let_go_asleep, tid, how))
+
+        if not let_go(pid, tid, address, done):
+            kept.append(tid)
+    return kept
 
 
 def _unloading_later(process: str, asleep: list[int]) -> str:
