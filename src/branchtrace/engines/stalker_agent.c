@@ -95,7 +95,7 @@ typedef struct {
   uint8_t *scratch_area; /* the mapping `scratch` lies in */
   uint8_t *exec_ctx;     /* Stalker's GumExecCtx for the thread, as its last block compiled */
   volatile int leaving;  /* the recording has ended: leave Stalker at the next chunk callout */
-  int left;              /* that callout came (bt_thread_let_go), or the host moved it out */
+  volatile int left;     /* that callout came (bt_thread_let_go), or the host moved it out */
   uint64_t syscall_at;   /* the program's system call instruction the thread last entered */
 } BtThread;
 
@@ -255,16 +255,22 @@ static void refill(BtThread *t) {
 
 static void leave_c(BtThread *t);
 
-static int leave_stalker(BtThread *t);
+static uint8_t *context_to_let_go(BtThread *t);
+static void let_go_of_context(uint8_t *ctx);
 static void release_left_thread(BtThread *t);
 
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
   if (t->leaving && !t->left) {
     t->left = 1;
-    if (leave_stalker(t)) {
+    bt_barrier(); /* before `wp` moves (bt_thread_let_go) */
+    uint8_t *ctx = context_to_let_go(t);
+    if (ctx != NULL) {
       WP(t) = (uint64_t)t->scratch + BT_CHUNK; /* at a chunk's end: the block leaves */
+      /* while Stalker keeps the context: unmapping a populated ring under load took over
+         the 20 ms after which Stalker frees it, and this callout's stack was gone */
       release_left_thread(t);
+      let_go_of_context(ctx);
       return;
     }
   }
@@ -503,20 +509,29 @@ void bt_thread_close(BtThread *t) {
    unfollow that Stalker.unfollow() asked for.  Otherwise the thread stays, as before.
    (Gum also clears its thread-local pointer to the context there, which CModule cannot
    reach; Gum reads it only as the thread enters Stalker again, which it never does.) */
-static int leave_stalker(BtThread *t) {
+static uint8_t *context_to_let_go(BtThread *t) {
   uint8_t *ctx = t->exec_ctx;
   if (STATE->stalker == NULL || ctx == NULL || *(uint8_t **)(ctx + 16) != STATE->stalker
       || *(uint64_t *)(ctx + 24) != t->tid)
-    return 0;
-  volatile int *state = (volatile int *)ctx;
-  if (*state != 1 /* GUM_EXEC_CTX_UNFOLLOW_PENDING */)
-    return 0;
+    return NULL;
+  return *(volatile int *)ctx == 1 /* GUM_EXEC_CTX_UNFOLLOW_PENDING */ ? ctx : NULL;
+}
+
+/* Stalker frees the context 20 ms from now, and the stack its callouts run on with it: the
+   last thing a callout does before it returns. */
+static void let_go_of_context(uint8_t *ctx) {
   long ts[2];
   clock_gettime(1 /* CLOCK_MONOTONIC, as g_get_monotonic_time() */, ts);
   *(int64_t *)(ctx + 8) = ts[0] * 1000000L + ts[1] / 1000; /* destroy_pending_since */
   bt_barrier();
-  *state = 2; /* GUM_EXEC_CTX_DESTROY_PENDING */
-  return 1;
+  *(volatile int *)ctx = 2; /* GUM_EXEC_CTX_DESTROY_PENDING */
+}
+
+static void compare_and_swap(uint64_t *p, uint64_t expected, uint64_t desired) {
+  __asm__ __volatile__("lock cmpxchgq %2, %1"
+                       : "+a"(expected), "+m"(*p)
+                       : "r"(desired)
+                       : "memory", "cc");
 }
 
 /* The recording has ended and the thread's ring is closed (bt_thread_close): its next
@@ -530,8 +545,17 @@ int bt_thread_let_go(BtThread *t) {
     return 1;
   t->leaving = 1;
   uint64_t last_slot = (uint64_t)t->scratch + BT_CHUNK - SLOT_LEAD;
-  if (WP(t) != last_slot)
-    WP(t) = last_slot;
+  uint64_t seen = WP(t);
+  bt_barrier();
+  /* The thread may be leaving right now: it sets `left`, then `wp` to the chunk's end
+     (which its block tests next), then unmaps its scratch chunk.  `wp` set back to the
+     last slot after that would send it on in Stalker, writing into the unmapped chunk.  So
+     `left` is read after `wp` (x86 keeps both loads, and both of its stores, in order),
+     and `wp` changes only if it is still what was read. */
+  if (t->left)
+    return 1;
+  if (seen != last_slot)
+    compare_and_swap(t->wpp, seen, last_slot);
   return 0;
 }
 
@@ -552,9 +576,11 @@ int bt_thread_let_go_asleep(BtThread *t, int moved) {
   if (t->left)
     return 1;
   t->left = 1;
-  int left = moved ? leave_stalker(t) : 1;
+  uint8_t *ctx = moved ? context_to_let_go(t) : NULL;
+  if (ctx != NULL)
+    let_go_of_context(ctx);
   release_left_thread(t);
-  return left;
+  return !moved || ctx != NULL;
 }
 
 static BtThread *current_thread(void) {
@@ -728,7 +754,7 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
    mapped and opened for it goes, where a program that starts and ends many threads would
    otherwise keep every one of them (the 4 KiB page of its BtThread stays: the agent still
    reads its tid and state there), and its slot is free for the next thread. */
-/* A thread out of Stalker for good (leave_stalker) runs no more of the code compiled for
+/* A thread out of Stalker for good (on_chunk_end, bt_thread_let_go_asleep) runs no more of the code compiled for
    it, so what was mapped for it goes: a process that runs on after a recording keeps no
    mapping of the trace directory's files (a later recording of it was refused as "already
    traced", and deleting the directory did not free its space).  The check compiled after
@@ -1247,7 +1273,7 @@ static void put_test16(GumX86Writer *cw, int r) {
   put_bytes(cw, &modrm, 1);
 }
 
-/* The block leaves Stalker (leave_stalker): the program's registers back as they were at
+/* The block leaves Stalker (on_chunk_end): the program's registers back as they were at
    the block's start, where nothing of the block has run yet, then
      jmp [rip]; dq start
    which needs no register.  `saved`: rax (1), and rcx too (2), are in the thread's slots. */
@@ -1570,7 +1596,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     return;
   }
   widen_inline_cache(iterator);
-  t->exec_ctx = *(uint8_t **)iterator; /* GumStalkerIterator.exec_context (leave_stalker) */
+  t->exec_ctx = *(uint8_t **)iterator; /* GumStalkerIterator.exec_context (context_to_let_go) */
   while (gum_stalker_iterator_next(iterator, &insn)) {
     if (first && is_frida_code(insn->address)) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */

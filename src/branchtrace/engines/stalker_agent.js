@@ -699,7 +699,7 @@ rpc.exports = {
 // Stalker lets go of another thread only where the thread next passes through Stalker's
 // own code, and code Stalker has compiled jumps straight from block to block: a thread in a
 // loop ran on in it after unfollow().  So each thread leaves by itself, at the next block
-// it runs (bt_thread_let_go, leave_stalker in stalker_agent.c).  Only blocks with a record
+// it runs (bt_thread_let_go, context_to_let_go in stalker_agent.c).  Only blocks with a record
 // can; a thread in the others (Frida's code, or blocks compiled once the block table was
 // full) runs on in them, through its compiled copies of the hooks' code too.  Once a hook
 // is gone (Frida's on close() as child gating goes off: its fd guard; ours as this script
