@@ -1546,6 +1546,16 @@ def test_detaching_lets_go_of_threads_asleep_in_each_kind_of_system_call(tmp_pat
         assert len(named) == 1, err
         rings = [line for line in ours_in(target.pid) if line.endswith(".bts")]
         assert rings and all(line.endswith(f"/T{named[0]}.bts") for line in rings), rings
+        # meanwhile the process cannot be recorded again, and the error says why
+        again = subprocess.run(
+            [*BT, "record", "-o", str(tmp_path / "e"), "--duration", "0.3", "-p", str(target.pid)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert again.returncode == 14 and len(again.stderr.strip().splitlines()) == 1
+        assert f"thread {named[0]} has not run since" in again.stderr, again.stderr
+        assert not (tmp_path / "e").exists()
         assert target.wait(timeout=30) == 0
         out = target.stdout.read()
         assert sorted(out.split("\n")[:-1]) == [

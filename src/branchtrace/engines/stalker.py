@@ -161,19 +161,31 @@ def resolve_program(name: str) -> Path:
     return path.resolve()
 
 
-def _traced_by_branchtrace(pid: int) -> str | None:
-    """A trace directory whose rings the process has mapped, if another branchtrace is
-    tracing it (the rings are the only visible trace of a Frida agent)."""
+def _traced_by_branchtrace(pid: int) -> tuple[str, list[int]] | None:
+    """The trace directory whose rings the process has mapped (the rings are the only
+    visible trace of a Frida agent), and the threads of those rings if that recording has
+    ended (every ring closed: threads asleep since, which keep Frida's agent until they
+    wake); None if no branchtrace has rings there."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return None
-    for line in maps.splitlines():
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-        name = os.path.basename(path)
-        if name.startswith("T") and name.endswith(".bts"):
-            return os.path.dirname(path)
-    return None
+    rings = sorted(
+        {p for line in maps.splitlines() if (p := line.split(maxsplit=5)[-1]).endswith(".bts")}
+    )
+    rings = [p for p in rings if os.path.basename(p).startswith("T")]
+    if not rings:
+        return None
+    asleep = []
+    for path in rings:
+        try:
+            ring = Ring.open(path)
+        except (OSError, StoreError):
+            return os.path.dirname(rings[0]), []
+        if ring.writer_state != WriterState.CLOSED:
+            return os.path.dirname(rings[0]), []
+        asleep.append(ring.tid)
+    return os.path.dirname(rings[0]), asleep
 
 
 def _check_attachable(pid: int) -> None:
@@ -199,9 +211,17 @@ def _check_attachable(pid: int) -> None:
             hint="detach the other tracer first",
         )
     other = _traced_by_branchtrace(pid)
+    if other and other[1]:
+        tids, many = ", ".join(map(str, other[1])), len(other[1]) > 1
+        raise AlreadyTracedError(
+            f"process {pid} still holds Frida's agent from a recording into {other[0]} that "
+            f"has ended: {'threads' if many else 'thread'} {tids} "
+            f"{'have' if many else 'has'} not run since (asleep in a system call)",
+            hint=f"record it again once {'they have' if many else 'it has'} woken up",
+        )
     if other:
         raise AlreadyTracedError(
-            f"process {pid} is already traced by branchtrace into {other}",
+            f"process {pid} is already traced by branchtrace into {other[0]}",
             hint="stop that recording first",
         )
 
