@@ -562,7 +562,7 @@ int bt_thread_let_go(BtThread *t) {
 /* The address in the program of the system call instruction the thread last entered (0:
    none), for the host when the thread is asleep in that call at the end of a recording:
    its registers there are the program's, so the host can move it out of Stalker's copy of
-   the instruction to the instruction itself (stalker.py, _move_out_asleep). */
+   the instruction to the instruction itself (asleep.py). */
 uint64_t bt_thread_asleep_at(BtThread *t) {
   return t->syscall_at;
 }
@@ -750,16 +750,12 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
   bt_follow_again();
 }
 
-/* The process lives on without a thread that ends, which runs nothing more: what was
-   mapped and opened for it goes, where a program that starts and ends many threads would
-   otherwise keep every one of them (the 4 KiB page of its BtThread stays: the agent still
-   reads its tid and state there), and its slot is free for the next thread. */
-/* A thread out of Stalker for good (on_chunk_end, bt_thread_let_go_asleep) runs no more of the code compiled for
-   it, so what was mapped for it goes: a process that runs on after a recording keeps no
-   mapping of the trace directory's files (a later recording of it was refused as "already
-   traced", and deleting the directory did not free its space).  The check compiled after
-   its chunk callout still reads `wp` in the ring's header page as the thread leaves: that
-   page becomes a private copy in place rather than a hole. */
+/* A thread out of Stalker for good (on_chunk_end, bt_thread_let_go_asleep) runs no more of
+   the code compiled for it, so what was mapped for it goes: a process that runs on after a
+   recording keeps no mapping of the trace directory's files (a later recording of it was
+   refused as "already traced", and deleting the directory did not free its space).  The
+   check compiled after its chunk callout still reads `wp` in the ring's header page as the
+   thread leaves: that page becomes a private copy in place rather than a hole. */
 static void release_left_thread(BtThread *t) {
   if (t->reserve == NULL)
     return;
@@ -774,10 +770,17 @@ static void release_left_thread(BtThread *t) {
   }
   munmap(t->reserve, t->reserve_size); /* the ring and its block table */
   munmap(t->scratch_area, 2 * BT_CHUNK);
+  if (t->cs_insn != NULL)
+    cs_free(t->cs_insn, 1);
+  t->cs_insn = NULL;
   t->reserve = NULL;
   give_back_slot(t);
 }
 
+/* The process lives on without a thread that ends, which runs nothing more: what was
+   mapped and opened for it goes, where a program that starts and ends many threads would
+   otherwise keep every one of them (the 4 KiB page of its BtThread stays: the agent still
+   reads its tid and state there), and its slot is free for the next thread. */
 static void release_ended_thread(BtThread *t) {
   if (t->reserve == NULL)
     return;
