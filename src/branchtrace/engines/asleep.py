@@ -47,6 +47,9 @@ EINTR_AFTER_STOP = {232, 281, 441, 65, 220, 128}
 SOCKET_CALLS = {0, 1, 19, 20, 42, 43, 44, 45, 46, 47, 288, 299, 307}
 #: how much of a native thread's stack is searched for addresses of Frida's code
 STACK_SCAN = 1 << 20
+#: how far before Stalker's copy of a `syscall` the agent's store of its address may be
+#: (the close, close_range and exit checks with their callouts, and Gum's clone check)
+NOTE_REACH = 2048
 
 MOVED, NATIVE = "moved", "native"
 
@@ -124,7 +127,7 @@ def _let_go(
             done(NATIVE)
             return True
         return False
-    except OSError:
+    except Exception:  # a ptrace error, or the agent not answering: the thread stays as it was
         return False
     finally:
         with contextlib.suppress(OSError):
@@ -217,15 +220,24 @@ class _Maps:
 
 
 def _on_stalkers_copy_of(pid: int, maps: _Maps, rip: int, address: int) -> bool:
-    """The thread stopped right after a `syscall` of Stalker's, and `address` holds the
-    program's own `syscall`, in a file it mapped (not Frida's agent)."""
+    """The thread stopped right after a `syscall` of Stalker's that is the copy of the
+    program's `syscall` at `address` (in a file the program mapped, not Frida's agent):
+    the code compiled for the thread stores `address` shortly before that copy
+    (put_syscall_checks in stalker_agent.c), and that store must be there.  Code of the
+    program's own in anonymous memory (a JIT) making a system call natively is not moved."""
+    row = maps.row(rip)
+    if row is None or not maps.path(address).startswith("/"):
+        return False
+    start = max(rip - NOTE_REACH, row[0])
     try:
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            here = os.pread(mem.fileno(), 2, rip - 2)
+            before = os.pread(mem.fileno(), rip - start, start)
             there = os.pread(mem.fileno(), 2, address)
     except OSError:
         return False
-    return here == SYSCALL and there == SYSCALL and maps.path(address).startswith("/")
+    low, high = (address & 0xFFFFFFFF).to_bytes(4, "little"), (address >> 32).to_bytes(4, "little")
+    note = b"\xc7\x01" + low + b"\xc7\x41\x04" + high  # mov dword [rcx], ...; [rcx+4], ...
+    return before.endswith(SYSCALL) and there == SYSCALL and note in before
 
 
 def _stack_refers_to_frida(pid: int, maps: _Maps, rsp: int) -> bool:
