@@ -257,7 +257,7 @@ static void leave_c(BtThread *t);
 
 static uint8_t *context_to_let_go(BtThread *t);
 static void let_go_of_context(uint8_t *ctx);
-static void release_left_thread(BtThread *t);
+static void release_thread(BtThread *t, int ended);
 
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
@@ -269,7 +269,7 @@ static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
       WP(t) = (uint64_t)t->scratch + BT_CHUNK; /* at a chunk's end: the block leaves */
       /* while Stalker keeps the context: unmapping a populated ring under load took over
          the 20 ms after which Stalker frees it, and this callout's stack was gone */
-      release_left_thread(t);
+      release_thread(t, 0);
       let_go_of_context(ctx);
       return;
     }
@@ -319,8 +319,8 @@ void bt_thread_forget(BtThread *t) {
 
 /* The agent finds a thread's state by its slot (current_thread, and a forked child lets go
    of every ring there), so a thread without one would not be traced exactly: a thread that
-   ends gives its slot back (release_ended_thread) for the next one.  A spin lock, as
-   CModule offers no compare-and-swap; it is held for a short scan. */
+   ends gives its slot back (release_thread) for the next one.  A spin lock on
+   g_atomic_int_add; it is held for a short scan. */
 static void lock_slots(void) {
   while (g_atomic_int_add(&STATE->slots_lock, 1) != 0)
     g_atomic_int_add(&STATE->slots_lock, -1);
@@ -579,7 +579,7 @@ int bt_thread_let_go_asleep(BtThread *t, int moved) {
   uint8_t *ctx = moved ? context_to_let_go(t) : NULL;
   if (ctx != NULL)
     let_go_of_context(ctx);
-  release_left_thread(t);
+  release_thread(t, 0);
   return !moved || ctx != NULL;
 }
 
@@ -750,16 +750,26 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
   bt_follow_again();
 }
 
-/* A thread out of Stalker for good (on_chunk_end, bt_thread_let_go_asleep) runs no more of
-   the code compiled for it, so what was mapped for it goes: a process that runs on after a
-   recording keeps no mapping of the trace directory's files (a later recording of it was
-   refused as "already traced", and deleting the directory did not free its space).  The
-   check compiled after its chunk callout still reads `wp` in the ring's header page as the
-   thread leaves: that page becomes a private copy in place rather than a hole. */
-static void release_left_thread(BtThread *t) {
+/* What was mapped for a thread that runs no more of the code compiled for it goes, and its
+   slot is free for the next thread (the 4 KiB page of its BtThread stays: the agent still
+   reads its tid and state there).
+   - `ended`: the thread ended, and the process lives on without it: a program that starts
+     and ends many threads would otherwise keep every one of them.
+   - else it is out of Stalker for good (on_chunk_end, bt_thread_let_go_asleep): a process
+     that runs on after a recording keeps no mapping of the trace directory's files (a
+     later recording of it was refused as "already traced", and deleting the directory did
+     not free its space).  The check compiled after its chunk callout still reads `wp` in
+     the ring's header page as the thread leaves: that page becomes a private copy in place
+     rather than a hole. */
+static void release_thread(BtThread *t, int ended) {
   if (t->reserve == NULL)
     return;
-  if (t->header32 != NULL) {
+  if (ended) {
+    t->wpp = &t->wp;
+    if (t->header32 != NULL)
+      munmap(t->header32, 4096);
+    t->header32 = NULL;
+  } else if (t->header32 != NULL) {
     uint64_t *copy = (uint64_t *)t->scratch_area, *page = (uint64_t *)t->header32;
     for (int i = 0; i < 512; i++)
       copy[i] = page[i];
@@ -777,26 +787,6 @@ static void release_left_thread(BtThread *t) {
   give_back_slot(t);
 }
 
-/* The process lives on without a thread that ends, which runs nothing more: what was
-   mapped and opened for it goes, where a program that starts and ends many threads would
-   otherwise keep every one of them (the 4 KiB page of its BtThread stays: the agent still
-   reads its tid and state there), and its slot is free for the next thread. */
-static void release_ended_thread(BtThread *t) {
-  if (t->reserve == NULL)
-    return;
-  t->wpp = &t->wp;
-  if (t->header32 != NULL)
-    munmap(t->header32, 4096);
-  munmap(t->reserve, t->reserve_size); /* the ring and its block table */
-  munmap(t->scratch_area, 2 * BT_CHUNK);
-  if (t->cs_insn != NULL)
-    cs_free(t->cs_insn, 1);
-  t->cs_insn = NULL;
-  t->header32 = NULL;
-  t->reserve = NULL;
-  give_back_slot(t);
-}
-
 /* Before a system call instruction, when it is exit (the thread ends) or exit_group (the
    process does): see put_syscall_checks.  Nothing but the kernel runs after it, and the ring is
    closed, so that it ends like the ring of a thread that ended, its records counted as
@@ -808,7 +798,7 @@ static void on_exit_syscall(GumCpuContext *cpu, gpointer user_data) {
     return;
   bt_thread_close(t);
   if (cpu->rax == 60 /* exit */)
-    release_ended_thread(t);
+    release_thread(t, 1);
 }
 
 /* Before a close_range() system call (see put_syscall_checks), which closes the fds from

@@ -736,9 +736,10 @@ function letGoOfAll() {
 }
 
 // The threads that have not left Stalker (bt_thread_let_go) 0.1 s after the end: asleep in
-// a system call since, as a rule (a server waiting for input).  Each leaves as it wakes, and
-// Frida unloads its agent only then.  `wp` is set again meanwhile, for a thread that moved
-// it on as it was set.
+// a system call since, as a rule (a server waiting for input), which the host then lets go
+// of itself (asleep.py, with asleepAt and letGoAsleep); one it cannot leaves as it wakes,
+// and Frida unloads its agent only then.  `wp` is set again meanwhile, for a thread that
+// moved it on as it was set.
 function leftStalker() {
   const deadline = Date.now() + 100;
   let waiting = [...threads.entries()];
