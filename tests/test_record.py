@@ -368,9 +368,23 @@ def test_a_thread_is_traced_through_its_destructors_to_its_exit(tmp_path, progra
         assert indirect_calls_to(trace, tid, threadend, "on_tls_end") == 1
         assert indirect_calls_to(trace, tid, threadend, "on_key_end") == 1
         assert calls_to(trace, tid, threadend, "step") == 5
-        # the ring is closed at the exit system call, the last thing the thread runs
+        # the ring is closed at the exit system call, the last thing the thread runs, and
+        # its last record says where that was
         with Ring.open(trace.ring_path(tid)) as ring:
             assert ring.writer_state == WriterState.CLOSED
+    opened = branchtrace.open(trace.path)
+    for tid in [main_tid, *workers]:
+        end = opened.end(tid)
+        assert end is not None and end.status == 0
+        assert end.call == ("exit_group" if tid == main_tid else "exit")
+        blocks = opened.blocks(tid)
+        last = int(blocks.ids[-1])
+        assert blocks.start[last] <= end.address <= blocks.last[last]
+        assert (
+            opened.modules(tid)
+            .symbolize(np.array([end.address]))[0]
+            .startswith("_exit" if tid == main_tid else "libc.so.6+")
+        )
     assert_counts_are_the_records(trace)
 
 

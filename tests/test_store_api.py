@@ -182,7 +182,14 @@ records = st.one_of(
         addresses,
     ),
     st.tuples(st.just(RecordType.THREAD_START), st.integers(1, 1 << 22), values),
-    st.tuples(st.just(RecordType.THREAD_EXIT), st.integers(1, 1 << 22), values, values),
+    st.tuples(
+        st.just(RecordType.THREAD_EXIT),
+        st.integers(1, 1 << 22),
+        values,
+        addresses,
+        values,
+        st.sampled_from([60, 231]),
+    ),
     st.tuples(st.just(RecordType.LOST), st.just(0), values),
     st.tuples(st.just(RecordType.TIME), st.just(0), values),
     st.tuples(
@@ -197,8 +204,6 @@ records = st.one_of(
 
 def expected(rec: tuple) -> tuple[int, int, int, int]:
     rtype, arg, *payload = rec
-    if rtype == RecordType.PROBE_HIT:
-        payload = payload[:2]
     if rtype == RecordType.BLOCK:
         return (rtype, arg, payload[0], payload[0] + arg)
     return (rtype, arg, *[*payload, 0, 0][:2])

@@ -76,13 +76,62 @@ def test_insns_end_at_the_faulting_store_in_boom(tmp_path, crash_trace, programs
     in_block = [r for r in rows if r["crash_block"]]
     assert in_block and all(r["sym"].startswith("boom") for r in in_block)
     assert "mov dword ptr [rax], 0x2a" in [r["insn"] for r in in_block]
-    assert "crashed (SIGSEGV) within" in bt("insns", crash_trace, "-n", "12").stdout
+    text = bt("insns", crash_trace, "-n", "12").stdout.splitlines()
+    assert text.count("-- the program crashed (SIGSEGV) within this block:") == 1
+    marker = text.index("-- the program crashed (SIGSEGV) within this block:")
+    assert next(line for line in text[marker + 1 :] if line.startswith("  0x")).split()[1] == "boom"
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_views_end_a_thread_at_its_exit_system_call(tmp_path, programs, engine):
+    # main calls exit(3) while its worker sleeps in pause(): Stalker records a block as it
+    # starts, and _exit's block runs on past its exit_group system call in the code
+    trace = tmp_path / "d"
+    res = bt("record", "-o", trace, "--engine", engine, "--", programs["threadend"], "exit", "3")
+    assert res.returncode == 3, res.stderr
+    opened = branchtrace.open(trace)
+    main = opened.meta["pid"]
+    (worker,) = [t for t in opened.threads if t != main]
+    end = opened.end(main)
+    assert (end.call, end.status) == ("exit_group", 3) and opened.end(worker) is None
+    rows = jsonl(bt("insns", trace, "-n", "200", "--json", "--tid", main))
+    *insns, last = rows
+    assert last["end"] == "exit_group" and last["status"] == 3
+    assert last["text"] == "the process ended here: exit_group(3)"
+    assert insns[-1]["insn"] == "syscall" and insns[-1]["address"] == last["address"]
+    assert insns[-1]["sym"].startswith("_exit") and "end" not in insns[-2]
+    assert not any(r["stopped_within_block"] for r in insns)
+    # the worker was ended where it was: somewhere in its last block, which has pause()'s
+    # system call; the step engine knows it was inside that call
+    rows = jsonl(bt("insns", trace, "-n", "20", "--json", "--tid", worker))
+    assert not any("end" in r for r in rows)
+    last_block = [r for r in rows if r["block"] == rows[-1]["block"]]
+    assert "syscall" in [r["insn"] for r in last_block]
+    if engine == "step":
+        assert rows[-1]["insn"] == "syscall" and rows[-1]["sym"].startswith("pause")
+    assert all(r["stopped_within_block"] == (engine == "stalker") for r in last_block)
+    assert not any(r["crash_block"] for r in rows)
+    text = bt("insns", trace, "-n", "20", "--tid", worker).stdout.splitlines()
+    marker = "-- the process ended while this thread was within this block:"
+    assert text.count(marker) == (engine == "stalker")
+    text = bt("insns", trace, "-n", "5", "--tid", main).stdout.splitlines()
+    assert text[-1] == "-- the process ended here: exit_group(3)"
+    assert text[-2].split()[1:] == [insns[-1]["sym"], "syscall"]
+    # show (newest first) says it above the newest branch, calls after the last call
+    show = bt("show", trace, "-n", "2", "--tid", main).stdout.splitlines()
+    assert show[2].strip() == f"[the process ended at {insns[-1]['sym']}: exit_group(3)]"
+    assert show[3].split()[0] == "0"
+    calls = bt("calls", trace, "--tid", main).stdout.splitlines()
+    assert calls[-1].strip() == "-- the process ended here: exit_group(3)"
+    assert jsonl(bt("calls", trace, "--json", "--tid", main))[-1]["end"] == "exit_group"
+    assert jsonl(bt("show", trace, "-n", "1", "--json", "--tid", main))[0]["status"] == 3
 
 
 def test_calls_nest_main_a_b_c(tmp_path, programs):
     trace = recorded(tmp_path, programs["abc"])
-    rows = jsonl(bt("calls", trace, "--json"))
+    *rows, end = jsonl(bt("calls", trace, "--json"))
     assert {"tid", "depth", "function", "module"} <= rows[0].keys()
+    assert end["end"] == "exit_group" and "function" not in end  # a row of its own
     exe = [r for r in rows if r["module"] == "abc"]
     main = next(r for r in exe if r["function"] == "main")  # after _init and frame_dummy
     names = [(r["function"], r["depth"] - main["depth"]) for r in exe[exe.index(main) :]]
@@ -125,7 +174,7 @@ def test_stats_count_calls_per_function_and_thread(tmp_path, programs):
 
 def test_a_wrap_trace_starting_mid_stack_has_no_negative_depth(tmp_path, programs):
     trace = recorded(tmp_path, programs["fib"], "27", mode="wrap", buffer_size="512K")
-    rows = jsonl(bt("calls", trace, "--json"))
+    rows = [r for r in jsonl(bt("calls", trace, "--json")) if "function" in r]
     assert min(r["depth"] for r in rows) == 0
     text = bt("calls", trace, "-D", "0")
     assert "begins inside calls it did not record" in text.stdout
@@ -144,7 +193,7 @@ def test_a_stripped_program_is_shown_as_module_offsets(tmp_path, programs):
     # would be found (as a debugger finds separate debug info)
     subprocess.run(["strip", "-R", ".note.gnu.build-id", str(stripped)], check=True)
     trace = recorded(tmp_path, stripped)
-    rows = jsonl(bt("show", trace, "-n", "2000", "--json"))
+    rows = [r for r in jsonl(bt("show", trace, "-n", "2000", "--json")) if "index" in r]
     exe = [r["from_sym"] for r in rows if r["from_sym"].startswith("abc_stripped+0x")]
     assert exe, "calls from the stripped executable are named module+offset"
     assert any(r["to_sym"] == "printf@plt" for r in rows)  # PLT stubs need no .symtab
@@ -185,7 +234,8 @@ def test_views_of_a_follow_fork_recording_keep_each_process_apart(tmp_path, prog
     # the child's history starts where fork() returned in it, and goes back up into main
     rows = jsonl(bt("calls", out, "--json", "--tid", child))
     assert {r["tid"] for r in rows} == {child}
-    names = [r["function"] for r in rows if r["module"] == "fork"]
+    assert rows[-1]["end"] == "exit_group"  # the child's own exit
+    names = [r["function"] for r in rows[:-1] if r["module"] == "fork"]
     assert names.count("f") == 5 and "main" in names
 
 
@@ -195,7 +245,8 @@ def test_views_mark_where_fork_ran_untraced(tmp_path, programs):
     rounds = 3
     out = recorded(tmp_path, programs["forkloop"], str(rounds), "0")
     tid = branchtrace.open(out).meta["pid"]
-    rows = jsonl(bt("show", out, "-n", "100000", "--json"))
+    end, *rows = jsonl(bt("show", out, "-n", "100000", "--json"))
+    assert end["end"] == "exit_group"
     marks = [k for k, r in enumerate(rows) if "break" in r]
     assert len(marks) == rounds
     for k in marks:
@@ -207,14 +258,14 @@ def test_views_mark_where_fork_ran_untraced(tmp_path, programs):
     assert [r["index"] for r in rows if "index" in r] == list(range(len(rows) - rounds))
     assert bt("show", out, "-n", "100000").stdout.count("[fork() ran here, untraced]") == rounds
 
-    calls = jsonl(bt("calls", out, "--json"))
+    calls = jsonl(bt("calls", out, "--json"))[:-1]
     marks = [k for k, r in enumerate(calls) if "break" in r]
     assert len(marks) == rounds
     assert all(calls[k - 1]["function"] in FORK_NAMES for k in marks)
     assert all(calls[k + 1]["function"] == "main" for k in marks)
     assert bt("calls", out).stdout.count("-- fork() ran here, untraced") == rounds
 
-    insns = jsonl(bt("insns", out, "-n", "100000", "--json"))
+    insns = jsonl(bt("insns", out, "-n", "100000", "--json"))[:-1]
     marks = [k for k, r in enumerate(insns) if "break" in r]
     assert len(marks) == rounds
     assert all(insns[k - 1]["sym"] in FORK_NAMES for k in marks)
@@ -233,7 +284,7 @@ def test_views_mark_where_records_were_lost_and_how_many(tmp_path, programs):
     marks = [r for r in rows if "break" in r]
     assert marks and all(r["break"] == "lost" and r["reason"] is None for r in marks)
     assert sum(r["lost"] for r in marks) == lost
-    assert len(rows) - len(marks) == t.branches(tid).size
+    assert len([r for r in rows if "index" in r]) == t.branches(tid).size
     text = bt("show", out, "-n", "100000000").stdout
     assert text.count(" records lost here]") == len(marks)
     assert f"[{marks[0]['lost']:,} records lost here]" in text

@@ -7,7 +7,9 @@
    `threadend late`: one worker; 0.6 s after it ended, main calls later().
    `threadend churn N`: N threads one after another, then one more that takes a signal
    (SIGUSR1, with a handler); then the program prints how many KiB of branchtrace's rings
-   (*.bts files) it still has mapped. */
+   (*.bts files) it still has mapped.
+   `threadend exit N`: one worker calls step() and then sleeps; main calls exit(N) (exit_group)
+   once it is asleep, which ends the worker where it is. */
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -59,6 +61,16 @@ static void *signalled(void *arg) {
   return arg;
 }
 
+static volatile int asleep;
+
+static void *sleeper(void *arg) {
+  step(0);
+  asleep = 1;
+  for (;;)
+    pause();
+  return arg;
+}
+
 static long rings_mapped_kib(void) {
   FILE *maps = fopen("/proc/self/maps", "r");
   char line[4096];
@@ -85,6 +97,13 @@ int main(int argc, char **argv) {
     pthread_join(t, NULL);
     printf("rings mapped: %ld KiB\n", rings_mapped_kib());
     return 0;
+  }
+  if (argc > 2 && strcmp(argv[1], "exit") == 0) {
+    pthread_create(&t, NULL, sleeper, NULL);
+    while (!asleep)
+      usleep(1000);
+    usleep(20000); /* into pause() */
+    exit(atoi(argv[2]));
   }
   pthread_key_create(&key, on_key_end);
   int crash = argc > 1 && strcmp(argv[1], "key-crash") == 0;

@@ -3,7 +3,15 @@ privileges."""
 
 from .decode import BRANCH_DTYPE, Blocks, branches_of, scan
 from .timeline import thread_records, with_switches
-from .trace import BREAK_DTYPE, CALL_DTYPE, CallHistory, Trace, describe_break, open
+from .trace import (
+    BREAK_DTYPE,
+    CALL_DTYPE,
+    CallHistory,
+    ThreadEnd,
+    Trace,
+    describe_break,
+    open,
+)
 
 __all__ = [
     "BRANCH_DTYPE",
@@ -11,6 +19,7 @@ __all__ = [
     "CALL_DTYPE",
     "Blocks",
     "CallHistory",
+    "ThreadEnd",
     "Trace",
     "branches_of",
     "describe_break",

@@ -18,7 +18,15 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..store.format import GapReason
+from ..store.format import (
+    LEN_MASK,
+    LEN_SHIFT,
+    TYPE_MASK,
+    TYPE_SHIFT,
+    GapReason,
+    RecordType,
+    unpayload,
+)
 from ..store.tracedir import TraceDir, thread_label
 from ..symbols import ModuleMap
 from .decode import Blocks, branches_of, scan
@@ -55,6 +63,47 @@ def describe_break(row: np.void) -> str:
         return f"untraced code ran here (gap reason {int(row['untraced'])})"
     lost = int(row["lost"])
     return f"{lost:,} records lost here" if lost else "records lost here"
+
+
+#: system call numbers that end a thread (THREAD_EXIT's `number`)
+_EXIT_CALLS = {60: "exit", 231: "exit_group"}
+
+
+@dataclass(frozen=True)
+class ThreadEnd:
+    """How a thread's trace ends, when the thread ended itself: a THREAD_EXIT record."""
+
+    time_ns: int
+    address: int  #: the exit system call instruction; 0: not known
+    status: int  #: the call's argument
+    call: str  #: "exit" (the thread ends) or "exit_group" (the whole process does)
+
+    def describe(self, where: str = "here") -> str:
+        whom = "the process" if self.call == "exit_group" else "the thread"
+        return f"{whom} ended {where}: {self.call}({self.status})"
+
+
+def thread_end(words: np.ndarray) -> ThreadEnd | None:
+    """The THREAD_EXIT record among a thread's last records, if any.  A thread's end is
+    the last thing it writes (then, at most, a LOST record and padding), and a word with
+    bit 63 set is always a record header, so the tail alone is enough."""
+    tail = np.ascontiguousarray(words[-128:], np.uint64)
+    rtype = (tail >> np.uint64(TYPE_SHIFT)) & np.uint64(TYPE_MASK)
+    is_header = (tail >> np.uint64(63)).astype(bool)
+    headers = np.flatnonzero(is_header & (rtype == RecordType.THREAD_EXIT))
+    if headers.size == 0:
+        return None
+    i = int(headers[-1])
+    n = int((tail[i] >> np.uint64(LEN_SHIFT)) & np.uint64(LEN_MASK))
+    payload = [int(w) for w in tail[i + 1 : i + 1 + n]] + [0] * 4
+    address = int(unpayload(np.array(payload[1:2], np.uint64))[0])
+    status = payload[2] & 0xFFFFFFFF
+    return ThreadEnd(
+        time_ns=payload[0],
+        address=address,
+        status=status - (1 << 32) if status >= 1 << 31 else status,
+        call=_EXIT_CALLS.get(payload[3], f"system call {payload[3]}"),
+    )
 
 
 @dataclass
@@ -100,6 +149,7 @@ class Trace:
         self.path = Path(path)
         self._modules: dict[int, ModuleMap] = {}
         self._blocks: dict[int, Blocks] = {}
+        self._ends: dict[int, ThreadEnd | None] = {}
         self._calls: dict[int, CallHistory] = {}
 
     @cached_property
@@ -127,8 +177,17 @@ class Trace:
     def blocks(self, tid: int) -> Blocks:
         if tid not in self._blocks:
             self._check_tid(tid)
-            self._blocks[tid] = scan(self.words(tid), self.modules(tid))
+            words = self.words(tid)
+            self._blocks[tid] = scan(words, self.modules(tid))
+            self._ends[tid] = thread_end(words)
         return self._blocks[tid]
+
+    def end(self, tid: int) -> ThreadEnd | None:
+        """Where the thread ended itself (exit or exit_group), if its trace says so; None
+        for a thread that was killed, crashed with the process, or was still running when
+        the recording stopped."""
+        self.blocks(tid)
+        return self._ends[tid]
 
     def breaks(self, tid: int) -> np.ndarray:
         """Where the thread's chain of blocks breaks, oldest first (BREAK_DTYPE): records

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from ..analysis import CallHistory, Trace, describe_break
+from ..analysis import CallHistory, ThreadEnd, Trace, describe_break
 from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL, within_calls
 from ..analysis.trace import HOW_NAMES
 from ..errors import UsageError
@@ -199,7 +199,10 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
         modules = trace.modules(t)
         src_sym, dst_sym = modules.symbolize(tail["from"]), modules.symbolize(tail["to"])
         src_line, dst_line = modules.source_lines(tail["from"]), modules.source_lines(tail["to"])
+        end = trace.end(t) if count > 0 else None
         if as_json:
+            if end is not None:
+                click.echo(_end_json(t, end))
             for i, b in enumerate([*tail, None]):
                 for brk in breaks_above.get(i, ()):
                     click.echo(_break_json(t, brk))
@@ -221,6 +224,9 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
             continue
         _heading(trace, t, f"the last {len(tail)} branches, newest first")
         rows: list[tuple[str, ...] | str] = []
+        if end is not None:
+            at = modules.symbolize(np.array([end.address], np.uint64))[0]
+            rows.append(f"[{end.describe(f'at {at}' if end.address else 'after these')}]")
         kinds = [_kind_name(k) for k in tail["kind"].tolist()]
         for i in range(tail.size + 1):
             rows += [f"[{describe_break(brk)}]" for brk in breaks_above.get(i, ())]
@@ -271,6 +277,8 @@ def calls(
         if seg.size - 1 in shown:
             shown.add(seg.size)
         breaks_before = {k: v for k, v in breaks_before.items() if k in shown}
+        # the end goes after the last segment, when that is printed
+        end = trace.end(t) if seg.size and seg.size - 1 in shown else None
         if as_json:
             for i, label in zip([*rows.tolist(), seg.size], [*labels, ""], strict=True):
                 for brk in breaks_before.get(i, ()):
@@ -294,6 +302,8 @@ def calls(
                         }
                     )
                 )
+            if end is not None:
+                click.echo(_end_json(t, end))
             continue
         note = (
             "; the trace begins inside calls it did not record: depth 0 is the shallowest "
@@ -314,6 +324,8 @@ def calls(
             mark = " [signal handler]" if hows[i] == HOW_SIGNAL else ""
             src = f"  {lines[k]}" if lines and lines[k] else ""
             text.add(f"{i:>6}  {'  ' * depths[i]}{label}{mark}{src}")
+        if end is not None:
+            text.styled(f"{'':>6}  -- {end.describe()}", "bold")
         text.flush()
 
 
@@ -330,9 +342,12 @@ def _labels(history: CallHistory, modules: Any, rows: np.ndarray) -> list[str]:
 # -- insns -----------------------------------------------------------------------------------
 
 
-def _newest_instructions(trace: Trace, tid: int, count: int) -> list[tuple[int, str, int]]:
+def _newest_instructions(
+    trace: Trace, tid: int, count: int, end: ThreadEnd | None
+) -> list[tuple[int, str, int]]:
     """(address, text, block index) of the newest `count` executed instructions, oldest
-    first, reconstructed by disassembling the recorded blocks (capstone)."""
+    first, reconstructed by disassembling the recorded blocks (capstone).  A thread that
+    ended itself stops at its exit system call, inside its last block."""
     from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 
     cs = Cs(CS_ARCH_X86, CS_MODE_64)
@@ -345,6 +360,8 @@ def _newest_instructions(trace: Trace, tid: int, count: int) -> list[tuple[int, 
             break
         u = int(blocks.ids[b])
         start, last = int(blocks.start[u]), int(blocks.last[u])
+        if end is not None and b == blocks.ids.size - 1 and start <= end.address <= last:
+            last = end.address
         m = int(modules.index(np.array([start], dtype=np.uint64))[0])
         image = modules.image(m) if m >= 0 else None
         code = image.read(modules.file_address(m, start), last - start + 16) if image else b""
@@ -371,13 +388,12 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
     lines (GDB's `record instruction-history`)."""
     trace = Trace(path)
     for t in _threads(trace, tid):
-        rows = _newest_instructions(trace, t, count)
+        end = trace.end(t)
+        rows = _newest_instructions(trace, t, count, end)
         modules = trace.modules(t)
-        # Stalker records a block as it starts: when the program died of a signal, the
-        # fault is somewhere inside the thread's last block, not necessarily at its end
-        # (the step engine ends the block at the faulting instruction itself).
         last_block = trace.blocks(t).ids.size - 1
-        crashed = trace.meta.get("signal") if trace.meta.get("engine") != "step" else None
+        killed = _killed_within_last_block(trace, t) if end is None else None
+        by_signal = bool(_process_ending(trace, t).get("signal"))
         addresses = np.array([r[0] for r in rows], dtype=np.uint64)
         syms, lines = modules.symbolize(addresses), modules.source_lines(addresses)
         row_blocks = np.array([r[2] for r in rows], dtype=np.int64)
@@ -399,10 +415,14 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
                             "line": line or None,
                             "insn": text,
                             "block": block,
-                            "crash_block": bool(crashed) and block == last_block,
+                            # the thread stopped somewhere in this block, not at its end
+                            "stopped_within_block": killed is not None and block == last_block,
+                            "crash_block": killed is not None and block == last_block and by_signal,
                         }
                     )
                 )
+            if end is not None and rows:
+                click.echo(_end_json(t, end))
             continue
         _heading(trace, t, f"the last {len(rows)} instructions, oldest first")
         previous = None
@@ -413,15 +433,65 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
             for brk in breaks_before.get(k, ()):
                 printed.styled(f"-- {describe_break(brk)}", _BREAK_STYLE)
                 previous = None
-            if crashed and block == last_block and previous != "crash":
-                name = _signal_name(int(crashed))
-                printed.styled(f"-- the program crashed ({name}) within this block:", "bold red")
-                previous = "crash"
+            if killed and block == last_block and (k == 0 or rows[k - 1][2] != block):
+                printed.styled(f"-- {killed}:", "bold red")
+                previous = None
             if line and line != previous:
                 printed.styled(line, "dim")
                 previous = line
             printed.add(f"  {address:#014x} {sym:<32} {text}")
+        if end is not None and rows:
+            printed.styled(f"-- {end.describe()}", "bold")
         printed.flush()
+
+
+def _end_json(t: int, end: ThreadEnd) -> str:
+    return json.dumps(
+        {
+            "tid": thread_id(t),
+            "thread": thread_label(t),
+            "end": end.call,
+            "status": end.status,
+            "address": end.address,
+            "text": end.describe(),
+        }
+    )
+
+
+#: signals a program dies of when it faults (rather than being killed from outside)
+_FAULTS = {4, 5, 6, 7, 8, 11, 31}  # SIGILL, SIGTRAP, SIGABRT, SIGBUS, SIGFPE, SIGSEGV, SIGSYS
+
+
+def _process_ending(trace: Trace, tid: int) -> dict[str, Any]:
+    """meta.json's account of how the thread's process ended (exit_code, signal, detached)."""
+    meta = trace.meta
+    pid = trace.pid_of(tid)
+    if pid == int(meta.get("pid") or 0):
+        return meta
+    return dict((meta.get("processes") or {}).get(str(pid)) or {})
+
+
+def _killed_within_last_block(trace: Trace, tid: int) -> str | None:
+    """What to say before the last block of a thread whose process ended while it ran
+    (it did not end itself).  Stalker records a block as it starts, so the thread stopped
+    somewhere inside that block, not necessarily at its end (the step engine ends a block
+    at the faulting instruction itself, so it needs no such line)."""
+    if trace.meta.get("engine") == "step":
+        return None
+    ending = _process_ending(trace, tid)
+    if not ending or ending.get("detached"):
+        return None
+    signum = ending.get("signal")
+    if not signum:
+        if ending.get("exit_code") is None:
+            return None
+        return "the process ended while this thread was within this block"
+    name = _signal_name(int(signum))
+    pid = trace.pid_of(tid)
+    alone = sum(trace.pid_of(other) == pid for other in trace.threads) == 1
+    if alone and int(signum) in _FAULTS:
+        return f"the program crashed ({name}) within this block"
+    return f"the process was killed by {name} while this thread was within this block"
 
 
 def _signal_name(number: int) -> str:

@@ -796,6 +796,21 @@ static void on_exit_syscall(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
   if (in_forked_child())
     return;
+  if (!t->closed) {
+    /* where the thread ended: its last block runs on past the system call in the code
+       (`syscall; jmp back` in start_thread), and none of that runs */
+    long ts[2];
+    clock_gettime(1 /* CLOCK_MONOTONIC */, ts);
+    uint64_t end[5] = {bt_escape(BT_RECORDTYPE_THREAD_EXIT, 4, t->tid & 0xffffffffffULL),
+                       (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK,
+                       t->syscall_at & BT_PAYLOAD_MASK, cpu->rdi & BT_PAYLOAD_MASK,
+                       cpu->rax & BT_PAYLOAD_MASK};
+    t->in_c++;
+    sync_head(t);
+    write_counted(t, end, 5);
+    refill(t);
+    leave_c(t);
+  }
   bt_thread_close(t);
   if (cpu->rax == 60 /* exit */)
     release_thread(t, 1);

@@ -149,7 +149,7 @@ class StepEngine:
         pid = child.pid
         meta["pid"] = pid
         tracedir.write_meta(meta)
-        pt.call(pt.PTRACE_SETOPTIONS, pid, 0, pt.O_TRACECLONE | pt.O_EXITKILL)
+        pt.call(pt.PTRACE_SETOPTIONS, pid, 0, pt.O_TRACECLONE | pt.O_TRACEEXIT | pt.O_EXITKILL)
         session = _Session(pid, program, tracedir, options, stop)
         events.started(
             f"recording {target.argv[0]} (pid {pid}) from {'main' if init is None else '_init'} "
@@ -305,6 +305,8 @@ class _Session:
                     msg = ctypes.c_ulong()
                     pt.call(pt.PTRACE_GETEVENTMSG, tid, 0, ctypes.addressof(msg))
                     self._thread(int(msg.value))
+                elif status >> 16 == pt.EVENT_EXIT:
+                    self._exiting(t, rip)
             elif t.at is None:  # a new thread's first stop
                 t.start(rip)
             elif sig != signal.SIGTRAP:
@@ -333,6 +335,25 @@ class _Session:
         else:
             t.last = executed
         t.at = rip
+
+    def _exiting(self, t: _Thread, rip: int) -> None:
+        """The thread is about to be gone (PTRACE_EVENT_EXIT).  When it is inside a system
+        call (rip right after the `syscall` it was stopped at), it ran that instruction,
+        which no single step reported: its block ends there.  When that call is exit or
+        exit_group, the thread ended itself, and a THREAD_EXIT record says so; a thread
+        ended where it was (another thread's exit_group, a signal) has none."""
+        if t.at is None or rip != t.at + 2 or self.kind(t.at)[0] != BranchKind.SYSCALL:
+            return
+        t.end_block(t.at)
+        t.at = None
+        regs = pt.getregs(t.tid)
+        call = regs.get("orig_rax")
+        if call in (60, 231):
+            t.flush()
+            status = regs.get("rdi") & 0xFFFFFFFF
+            now = time.monotonic_ns()
+            t.writer.write(RecordType.THREAD_EXIT, t.tid, now, rip - 2, status, call)
+            t.records += 1
 
     def _delivered(self, t: _Thread, rip: int) -> None:
         """A signal was delivered; the thread stopped at `rip`: its handler, or where it was

@@ -75,7 +75,9 @@ class RecordType(IntEnum):
     SWITCH_OUT = 4  #: task departs (seed MAGIC1): arg=cpu, a=time_ns, b=ip
     SWITCH_IN = 5  #: task arrives (seed MAGIC2): arg=cpu, a=time_ns, b=ip
     THREAD_START = 6  #: arg=tid, a=time_ns
-    THREAD_EXIT = 7  #: arg=tid, a=time_ns, b=exit status
+    #: arg=tid, a=time_ns, b=ip of the exit system call (0: unknown); more payload: the
+    #: call's argument (the status) and its number (60 exit, 231 exit_group)
+    THREAD_EXIT = 7
     LOST = 8  #: records were dropped here: a=count
     PROBE_HIT = 9  #: arg=probe id, a=time_ns, b=ip, more payload words = fetched values
     TIME = 10  #: a=time_ns, a clock reading for correlating rings

@@ -38,7 +38,14 @@ _ADDRESS_A = np.array(
 )
 _ADDRESS_B = np.array(
     [
-        t in (RecordType.BRANCH, RecordType.SWITCH_OUT, RecordType.SWITCH_IN, RecordType.PROBE_HIT)
+        t
+        in (
+            RecordType.BRANCH,
+            RecordType.SWITCH_OUT,
+            RecordType.SWITCH_IN,
+            RecordType.PROBE_HIT,
+            RecordType.THREAD_EXIT,
+        )
         for t in range(128)
     ],
     dtype=bool,
