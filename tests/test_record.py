@@ -1545,13 +1545,16 @@ def test_detaching_from_a_program_asleep_in_a_system_call_leaves_nothing_behind(
 
 
 def test_detaching_lets_go_of_threads_asleep_in_each_kind_of_system_call(tmp_path, programs):
-    # read(), poll() and nanosleep() with their timeouts, a futex, epoll_wait(): entered
-    # under Stalker, asleep at the end.  Each is moved out of Stalker and its call restarted
-    # natively, the timeouts kept whole -- but epoll_wait(), which a stop would end with
-    # EINTR (a ptrace stop did, in a first version): that thread keeps the agent until it
-    # wakes, and only its ring stays mapped.
+    # read(), poll() and nanosleep() with their timeouts, a futex, epoll_wait() without and
+    # with a timeout, semop(): entered under Stalker, asleep at the end.  Each is moved out
+    # of Stalker and its call restarted natively, the timeouts kept whole.  A stop ends
+    # epoll_wait() and semop() with EINTR (a ptrace stop did, in a first version): the host
+    # makes the untimed ones again itself, and leaves the timed epoll_wait() alone, whose
+    # thread keeps the agent until it wakes, and only its ring stays mapped.
     sleepers = programs["sleepers"]
-    with attach_target(sleepers, 4, stdin=subprocess.PIPE) as target:
+    # 2.5: all asleep when the recording ends, and the timed epoll_wait() (7.5 s) still
+    # asleep once the tool has waited for Frida's unload (2 s, twice)
+    with attach_target(sleepers, 2.5, stdin=subprocess.PIPE) as target:
         tool = attached_and_let_go(tmp_path / "d", target, "--duration", "1")
         _, err = tool.communicate(timeout=60)
         assert tool.returncode == 0 and f"detached from pid {target.pid}" in err, err
@@ -1572,11 +1575,13 @@ def test_detaching_lets_go_of_threads_asleep_in_each_kind_of_system_call(tmp_pat
         assert not (tmp_path / "e").exists()
         assert target.wait(timeout=30) == 0
         out = target.stdout.read()
-        assert sorted(out.split("\n")[:-1]) == [
-            f"ok {name}" for name in ("cond", "epoll", "nanosleep", "poll", "read")
-        ]
+        names = ("cond", "epoll", "epoll-timeout", "nanosleep", "poll", "read", "semop")
+        assert sorted(out.split("\n")[:-1]) == [f"ok {name}" for name in names]
     trace = TraceDir.open(tmp_path / "d")
-    assert len(trace.threads()) == 6
+    assert len(trace.threads()) == 8
+    # the thread left is the one in the timed epoll_wait()
+    (left,) = [t for t in trace.threads() if str(t) == named[0]]
+    assert indirect_calls_to(trace, left, sleepers, "epoll_timer") == 1
 
 
 @pytest.mark.parametrize("mode", ["wrap", "stream"])

@@ -1,9 +1,11 @@
 /* An attach target whose threads sleep in different system calls: says "ready", waits for
-   a line, starts five threads that block -- read() on a pipe, poll() that times out after
+   a line, starts seven threads that block -- read() on a pipe, poll() that times out after
    SECONDS + 0.5 s, pthread_cond_wait(), nanosleep() for SECONDS + 0.5 s, epoll_wait() on a
-   pipe -- sleeps SECONDS (3) itself, then wakes the reader, the waiter and the epoll thread.
-   Each thread checks what its call returned and how long it slept, and prints "ok NAME" or
-   "bad NAME: why"; the program exits 0 only if all five are ok. */
+   pipe without a timeout, epoll_wait() that times out after 3 * SECONDS, semop() --
+   sleeps SECONDS (3) itself, then wakes the reader, the waiter, the first epoll thread and
+   the semop thread.  Each thread checks what its call returned (never EINTR) and how long
+   it slept, and prints "ok NAME" or "bad NAME: why"; the program exits 0 only if all seven
+   are ok. */
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -11,11 +13,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/sem.h>
 #include <time.h>
 #include <unistd.h>
 
 static double seconds = 3;
-static int reader_pipe[2], poll_pipe[2], epoll_pipe[2];
+static int reader_pipe[2], poll_pipe[2], epoll_pipe[2], quiet_pipe[2];
+static int semaphore;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cond = PTHREAD_COND_INITIALIZER;
 static int told;
@@ -83,26 +87,52 @@ static void *epoller(void *arg) {
   return arg;
 }
 
+static void *epoll_timer(void *arg) {
+  int ep = epoll_create1(0);
+  struct epoll_event ev = {EPOLLIN, {0}}, got;
+  epoll_ctl(ep, EPOLL_CTL_ADD, quiet_pipe[0], &ev);
+  double start = now();
+  int r = epoll_wait(ep, &got, 1, (int)(3 * seconds * 1000));
+  double slept = now() - start;
+  result("epoll-timeout", r == 0 && slept >= 3 * seconds - 0.05, "not a whole timeout");
+  return arg;
+}
+
+static void *semaphore_waiter(void *arg) {
+  struct sembuf down = {0, -1, 0};
+  int r = semop(semaphore, &down, 1);
+  result("semop", r == 0, "not taken");
+  return arg;
+}
+
 int main(int argc, char **argv) {
   if (argc > 1)
     seconds = atof(argv[1]);
-  if (pipe(reader_pipe) || pipe(poll_pipe) || pipe(epoll_pipe))
+  if (pipe(reader_pipe) || pipe(poll_pipe) || pipe(epoll_pipe) || pipe(quiet_pipe))
+    return 2;
+  semaphore = semget(IPC_PRIVATE, 1, 0600);
+  if (semaphore < 0)
     return 2;
   printf("ready %d\n", getpid());
   fflush(stdout);
   getchar();
-  void *(*bodies[])(void *) = {reader, poller, waiter, sleeper, epoller};
-  pthread_t threads[5];
-  for (int i = 0; i < 5; i++)
+  void *(*bodies[])(void *) = {reader,  poller,      waiter,          sleeper,
+                                epoller, epoll_timer, semaphore_waiter};
+  enum { N = sizeof bodies / sizeof bodies[0] };
+  pthread_t threads[N];
+  for (int i = 0; i < N; i++)
     pthread_create(&threads[i], NULL, bodies[i], NULL);
   usleep((useconds_t)(seconds * 1e6));
-  if (write(reader_pipe[1], "hello", 5) != 5 || write(epoll_pipe[1], "x", 1) != 1)
+  struct sembuf up = {0, 1, 0};
+  if (write(reader_pipe[1], "hello", 5) != 5 || write(epoll_pipe[1], "x", 1) != 1 ||
+      semop(semaphore, &up, 1) != 0)
     return 2;
   pthread_mutex_lock(&lock);
   told = 1;
   pthread_cond_signal(&cond);
   pthread_mutex_unlock(&lock);
-  for (int i = 0; i < 5; i++)
+  for (int i = 0; i < N; i++)
     pthread_join(threads[i], NULL);
+  semctl(semaphore, 0, IPC_RMID);
   return bad;
 }

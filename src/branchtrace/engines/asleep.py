@@ -17,11 +17,19 @@ debugger would (PTRACE_SEIZE, PTRACE_INTERRUPT) and finds it in one of two place
   sleep (asleep since before the attach): nothing to move, and nothing of Stalker's or the
   agent's on its stack, so the agent may let go of its ring.
 
-Anything else (a thread inside a call that Stalker's code or the agent made) is left as it
-was, and keeps the agent until it wakes.  So is a thread asleep in a call that a stop would
-end with EINTR instead of restarting it (man 7 signal, "Interruption of system call and
-library functions by stop signals": epoll_wait(), semop(), sigtimedwait(), socket calls
-under a timeout): the host reads which call that is from /proc first, without a stop.
+Some calls a stop ends with EINTR instead of restarting them (man 7 signal, "Interruption
+of system call and library functions by stop signals": epoll_wait(), semop(),
+sigtimedwait(), socket calls under a timeout).  The host reads which call a thread sleeps
+in from /proc before it stops it.  One that waits without a time limit (an idle server in
+epoll_wait(..., -1)) it restarts itself: at the stop, the call has returned -EINTR and
+nothing else (no event is taken, no semaphore changed), and the thread is pointed back at
+the `syscall` with the call's number in rax, its arguments still in their registers, as
+the kernel restarts a call; since it is traced from before the check, no signal can have
+reached the program unseen meanwhile (one that did is let through, with its EINTR).  One
+with a time limit is left alone: it wakes within it.
+
+Anything else (a thread inside a call that Stalker's code or the agent made, one asleep in
+a timed call of those) is left as it was, and keeps the agent until it wakes.
 """
 
 from __future__ import annotations
@@ -39,8 +47,18 @@ from . import ptrace as pt
 
 SYSCALL = b"\x0f\x05"
 #: calls that a stop ends with EINTR, whatever SA_RESTART says: epoll_wait, epoll_pwait,
-#: epoll_pwait2, semop, semtimedop, rt_sigtimedwait
-EINTR_AFTER_STOP = {232, 281, 441, 65, 220, 128}
+#: epoll_pwait2, semop, semtimedop, rt_sigtimedwait; each with where its time limit is: the
+#: argument (1-based) and whether it is a timespec pointer (NULL: none) or milliseconds
+#: (negative: none), or None for semop, which has none
+EINTR_AFTER_STOP: dict[int, tuple[int, bool] | None] = {
+    232: (4, False),
+    281: (4, False),
+    441: (4, True),
+    65: None,
+    220: (4, True),
+    128: (3, True),
+}
+EINTR = 4
 #: calls on the fd in their first argument that a stop ends with EINTR when it is a socket
 #: with a receive or send timeout (SO_RCVTIMEO, SO_SNDTIMEO): read, write, readv, writev,
 #: connect, accept, sendto, recvfrom, sendmsg, recvmsg, accept4, recvmmsg, sendmmsg
@@ -52,6 +70,8 @@ STACK_SCAN = 1 << 20
 NOTE_REACH = 2048
 
 MOVED, NATIVE = "moved", "native"
+#: what a ptrace stop does to the call a thread sleeps in (_after_a_stop)
+RESTARTED, REDO, INTERRUPTED = "restarted", "redo", "interrupted"
 
 
 def let_go(
@@ -92,7 +112,7 @@ def _let_go(
     done: Callable[[str], bool],
     late: threading.Event,
 ) -> bool:
-    if not _restarted_after_a_stop(pid, tid):
+    if _after_a_stop(pid, tid)[0] == INTERRUPTED:
         return False
     try:
         pt.call(pt.PTRACE_SEIZE, tid)
@@ -100,6 +120,10 @@ def _let_go(
         return False
     pending = 0  # a signal that arrived meanwhile, delivered as the thread goes
     try:
+        # traced from here on: a signal now stops the thread before any handler runs
+        verdict, number = _after_a_stop(pid, tid)
+        if verdict == INTERRUPTED:
+            return False
         pt.call(pt.PTRACE_INTERRUPT, tid)
         while True:
             _, status = os.waitpid(tid, pt.WALL)
@@ -114,16 +138,31 @@ def _let_go(
         if late.is_set():
             return False
         regs = pt.getregs(tid)
+        # the stop ended the call with EINTR, and no signal came: the call is made again
+        redo = (
+            verdict == REDO
+            and not pending
+            and regs.orig_rax == number
+            and regs.rax == (-EINTR) & (2**64 - 1)
+        )
         maps = _Maps(pid)
         if maps.is_frida(regs.rip):
             address = syscall_address()
             if address is None or not _on_stalkers_copy_of(pid, maps, regs.rip, address):
                 return False
-            regs.rip = address + len(SYSCALL)
+            regs.rip = address if redo else address + len(SYSCALL)
+            if redo:
+                regs.rax = number
             pt.setregs(tid, regs)
             done(MOVED)
             return True
         if maps.path(regs.rip).startswith("/") and not _stack_refers_to_frida(pid, maps, regs.rsp):
+            if redo:
+                if _read(pid, regs.rip - len(SYSCALL), len(SYSCALL)) != SYSCALL:
+                    return False
+                regs.rip -= len(SYSCALL)
+                regs.rax = number
+                pt.setregs(tid, regs)
             done(NATIVE)
             return True
         return False
@@ -134,21 +173,36 @@ def _let_go(
             pt.call(pt.PTRACE_DETACH, tid, 0, pending)
 
 
-def _restarted_after_a_stop(pid: int, tid: int) -> bool:
-    """Whether the system call thread `tid` sleeps in goes on as if nothing happened after
-    a ptrace stop (not one that then fails with EINTR)."""
+def _after_a_stop(pid: int, tid: int) -> tuple[str, int]:
+    """What a ptrace stop does to the system call thread `tid` sleeps in, and its number:
+    RESTARTED, the kernel makes it again as if nothing happened (or the thread is in no
+    call); REDO, it fails with EINTR but waits without a time limit, so the host may make
+    it again; INTERRUPTED, it fails with EINTR (or the call is not known)."""
     try:
         fields = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
     except OSError:
-        return False
+        return INTERRUPTED, -1
     if not fields or not fields[0].isdigit():  # running, or not in a system call
-        return fields[:1] == ["-1"]
+        return (RESTARTED if fields[:1] == ["-1"] else INTERRUPTED), -1
     number = int(fields[0])
     if number in EINTR_AFTER_STOP:
-        return False
-    if number in SOCKET_CALLS:
-        return not _socket_with_timeout(pid, int(fields[1], 16))
-    return True
+        limit = EINTR_AFTER_STOP[number]
+        if limit is None:
+            return REDO, number
+        value = int(fields[limit[0]], 16)
+        unlimited = value == 0 if limit[1] else bool(value & 0x80000000)
+        return (REDO if unlimited else INTERRUPTED), number
+    if number in SOCKET_CALLS and _socket_with_timeout(pid, int(fields[1], 16)):
+        return INTERRUPTED, number
+    return RESTARTED, number
+
+
+def _read(pid: int, address: int, size: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            return os.pread(mem.fileno(), size, address)
+    except OSError:
+        return b""
 
 
 def _socket_with_timeout(pid: int, fd: int) -> bool:
