@@ -1131,6 +1131,8 @@ class _ForkFollower:
         self.parents: dict[int, int] = {}
         self.ended: set[int] = set()
         self.replaced: set[int] = set()  #: children that called exec (Frida says so)
+        #: the program image each child exec'ed, as Frida reported it held (child gating)
+        self.exec_images: dict[int, str] = {}
         #: children whose session Frida dropped while they ran on, and why
         self.dropped: dict[int, str] = {}
         self._let_go_of: set[int] = set()  #: children we detach from ourselves
@@ -1182,6 +1184,8 @@ class _ForkFollower:
     def _trace(self, child: Any) -> None:
         pid = int(child.pid)
         reused = pid in self.children or pid in self.killed
+        if child.origin == "exec" and pid in self.children:
+            self.exec_images[pid] = str(child.path)
         if child.origin != "fork" or reused:
             # an exec'ed or spawned image, not a fork of our program (a traced child that
             # calls exec is reported again, under its id); or a child given an earlier
@@ -1384,7 +1388,12 @@ class _ForkFollower:
                     ending["exit_code"], ending["signal"] = describe(status)
             if pid in self.replaced or pid in self.watcher.execs:
                 ending["exec"] = True  # its trace ends at its exec
+                if pid in self.exec_images:
+                    ending["exec_image"] = self.exec_images[pid]
             processes[pid] = ending
+        execd = [pid for pid, ending in processes.items() if ending.get("exec")]
+        if execd:
+            self.rec._error(_children_exec_warning(execd, processes))
         for pid in self.killed:
             processes[pid]["frozen"] = True
             processes[pid].setdefault("signal", signal.SIGKILL.value)
@@ -1858,6 +1867,20 @@ def _exec_warning(what: str) -> str:
     return (
         f"{what} called exec: the new program image was not traced (the trace ends at the "
         "exec; record the new program by itself to trace it)"
+    )
+
+
+def _children_exec_warning(pids: list[int], processes: dict[int, dict[str, Any]]) -> str:
+    names = sorted({Path(processes[p].get("exec_image") or "?").name for p in pids} - {"?"})
+    images = f" ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})" if names else ""
+    if len(pids) == 1:
+        who = f"forked child {pids[0]} called exec{images}: the new program image was"
+    else:
+        listed = ", ".join(map(str, pids[:5])) + (", ..." if len(pids) > 5 else "")
+        who = f"{len(pids)} forked children ({listed}) called exec{images}: the new images were"
+    return (
+        f"{who} not traced (a child's trace ends at its exec; record the new program by "
+        "itself to trace it)"
     )
 
 
