@@ -49,15 +49,9 @@ def modules(trace: TraceDir, tid: int) -> ModuleMap:
     return ModuleMap([(m.base, m.size, m.path) for m in loads if m.event == "load"])
 
 
-def warnings_in(stderr: str, *, but_exec_of: str | None = None) -> list[str]:
-    """The warnings in the tool's stderr, but the one that forked children called exec
-    (that one named `but_exec_of`, the new image, which it must then name)."""
-    found = [line for line in stderr.splitlines() if line.startswith("branchtrace: warning:")]
-    if but_exec_of is None:
-        return found
-    execs = [w for w in found if "called exec (" in w and "forked child" in w]
-    assert len(execs) == 1 and f"({but_exec_of})" in execs[0], found
-    return [w for w in found if w not in execs]
+def warnings_in(stderr: str) -> list[str]:
+    """The warnings in the tool's stderr."""
+    return [line for line in stderr.splitlines() if line.startswith("branchtrace: warning:")]
 
 
 def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
@@ -552,13 +546,16 @@ def record_with(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def blocks_and_lost(trace: TraceDir) -> tuple[int, int]:
-    """The BLOCK records of a one-thread trace of blocks and TIME records, and its lost."""
+    """The records of a one-thread trace of blocks, TIME records and its end (THREAD_EXIT),
+    but the TIME records, and its lost."""
     (thread,) = trace.meta()["threads"].values()
     words, _ = trace.words(thread["pid"])
     headers = words >> np.uint64(56)
     times = int((headers == 0x80 | RecordType.TIME).sum())
-    assert int((headers >= 0x80).sum()) == times  # blocks and TIME records only
-    return words.size - 2 * times, thread["lost"]  # a TIME record is two words
+    ends = int((headers == 0x80 | RecordType.THREAD_EXIT).sum())
+    assert int((headers >= 0x80).sum()) == times + ends and ends <= 1
+    # a TIME record is two words, a THREAD_EXIT five
+    return words.size - 2 * times - 4 * ends, thread["lost"]
 
 
 @pytest.mark.parametrize("failure", ["full disk", "drain bug"])
@@ -1194,6 +1191,61 @@ def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
     assert "ended at exec" in info.stdout and "died" not in info.stdout, info.stdout
 
 
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_follow_fork_traces_the_programs_that_the_program_and_its_children_exec(
+    tmp_path, programs, mode
+):
+    # With --follow-fork Frida holds the new image of a process of ours that calls exec, as
+    # it holds a spawned program: it gets an agent and rings of its own, under the key
+    # "pid#2" (then "pid#3"), and is traced from its _init.  Here the program execs a
+    # shell, which forks a child that execs loop23 and then execs loop23 itself (a shell
+    # runs its last command in place); before, every trace ended at the exec.
+    loop23 = programs["loop23"]
+    script = f'exec /bin/sh -c "{loop23} first; exec {loop23} second"'
+    res = record(tmp_path / "d", "--follow-fork", "--", "/bin/sh", "-c", script, mode=mode)
+    assert res.returncode == 0 and res.stdout == "253\n253\n", res.stderr
+    assert not [w for w in warnings_in(res.stderr) if "exec" in w], res.stderr
+    assert "2 processes, 3 exec'ed program images," in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    meta = trace.meta()
+    pid, processes = meta["pid"], meta["processes"]
+    assert meta["exec"] is True and meta["exit_code"] == 0 and meta["traced_from"] == "_init"
+    (child,) = [int(k) for k, e in processes.items() if e["ppid"] == pid and "execd_by" not in e]
+    shell = os.path.realpath("/bin/sh")
+    assert processes[f"{pid}#2"] | {"ppid": None} == {
+        "ppid": None,
+        "execd_by": str(pid),
+        "executable": shell,
+        "exec": True,
+        "exec_image": str(loop23),
+        "exec_traced": f"{pid}#3",
+    }
+    assert processes[f"{pid}#3"]["execd_by"] == f"{pid}#2"
+    assert processes[str(child)]["exec_traced"] == f"{child}#2"
+    for image in (f"{pid}#3", f"{child}#2"):
+        assert processes[image]["executable"] == str(loop23)
+        assert processes[image]["exit_code"] == 0
+        key = parse_thread_label(image)
+        assert trace.thread_pid(key) == key  # its modules are its own
+        assert calls_to(trace, key, loop23, "f") == 23
+        words, pos = trace.words(key)
+        records = parse_words(words, pos)
+        first = records[records["type"] == RecordType.BLOCK][0]
+        assert first["a"] == modules(trace, key).runtime_address(loop23.name, "_init")
+        assert branchtrace.open(trace.path).end(key).call == "exit_group"
+    # the images that exec'ed end there, and the views say so
+    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    assert info.stdout.count("ended at exec") == 3, info.stdout
+    assert "followed 3 exec'ed program image(s): dash, loop23" in info.stdout.replace(
+        os.path.basename(shell), "dash"
+    )
+    insns = subprocess.run(
+        [*BT, "insns", str(tmp_path / "d"), "--tid", str(pid)], capture_output=True, text=True
+    )
+    assert insns.stdout.count("-- the process called exec while this thread was within") == 1
+    assert_counts_are_the_records(trace)
+
+
 @pytest.mark.parametrize("follow_fork", [False, True], ids=["", "follow-fork"])
 @pytest.mark.parametrize("how", ["posix_spawn", "system", "popen", "vfork", "failexec"])
 def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(
@@ -1214,9 +1266,7 @@ def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(
     )
     status = 3 if how in ("system", "popen") else 0
     assert res.returncode == 0 and res.stdout == f"child {status} sum 6\n", res.stderr
-    # only a forked child's exec is named (a vfork() is a fork() under child gating)
-    vforked = how == "vfork" and follow_fork
-    assert warnings_in(res.stderr, but_exec_of="true" if vforked else None) == [], res.stderr
+    assert warnings_in(res.stderr) == [], res.stderr
     trace = TraceDir.open(tmp_path / "d")
     meta = trace.meta()
     pid = meta["pid"]
@@ -1226,10 +1276,14 @@ def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(
         assert ring.writer_state == WriterState.CLOSED
     children = [tid for tid in trace.threads() if trace.thread_pid(tid) != pid]
     if how == "vfork" and follow_fork:
-        # Frida's child gating makes the vfork() a fork(): the child is traced to its exec
-        [child] = children
+        # Frida's child gating makes the vfork() a fork(): the child is traced to its exec,
+        # and the program it exec'ed (true) from its start, as a process of its own
+        child, image = sorted(children)
         assert calls_to(trace, child, spawn, "in_child") == 5
         assert calls_to(trace, child, spawn, "after") == 0
+        assert trace.thread_pid(image) == image and thread_id(image) == child
+        assert meta["processes"][thread_label(image)]["executable"] == os.path.realpath("/bin/true")
+        assert meta["processes"][str(child)]["exec_traced"] == thread_label(image)
     else:
         assert children == []
     assert_counts_are_the_records(trace)
@@ -1254,17 +1308,23 @@ def test_closing_every_fd_leaves_frida_its_own(tmp_path, programs, how, who, fol
         timeout=60,
     )
     assert res.returncode == 0 and res.stdout == "sum 4950 child 7\n", res.stderr
-    execd = follow_fork and who == "child"
-    assert warnings_in(res.stderr, but_exec_of="true" if execd else None) == [], res.stderr
+    assert warnings_in(res.stderr) == [], res.stderr
     trace = TraceDir.open(tmp_path / "d")
     pid = trace.meta()["pid"]
     assert calls_to(trace, pid, closefds, "work") == 100
-    children = [tid for tid in trace.threads() if trace.thread_pid(tid) != pid]
+    processes = trace.meta()["processes"]
+    forked = {label for label, e in processes.items() if "execd_by" not in e}
+    children = [tid for tid in trace.threads() if thread_label(trace.thread_pid(tid)) in forked]
     if follow_fork:  # the one that works, and the one that closes its fds and execs
         assert len(children) == (2 if who == "child" else 1)
+        # the program that one exec'ed, traced from its start with an agent of its own
+        images = [e for e in processes.values() if "execd_by" in e]
+        assert [e["executable"] for e in images] == [os.path.realpath("/bin/true")] * (
+            who == "child"
+        )
         assert sorted(calls_to(trace, c, closefds, "work") for c in children)[-1:] == [1]
         assert sum(calls_to(trace, c, closefds, "work") for c in children) == 1
-        execs = [e.get("exec", False) for e in trace.meta()["processes"].values()]
+        execs = [e.get("exec", False) for e in processes.values() if "execd_by" not in e]
         assert len(execs) == len(children) and execs.count(True) == (who == "child")
     else:
         assert children == []
@@ -1278,11 +1338,12 @@ def test_python_running_a_subprocess_is_traced_with_its_child(tmp_path):
     code = "import subprocess; print(subprocess.run(['echo', 'hi'], capture_output=True).stdout)"
     res = record(tmp_path / "d", "--follow-fork", "--", python, "-c", code, mode="wrap")
     assert res.returncode == 0 and res.stdout == "b'hi\\n'\n", res.stderr
-    assert "2 processes" in res.stderr, res.stderr
-    assert warnings_in(res.stderr, but_exec_of="echo") == [], res.stderr
+    assert "2 processes, 1 exec'ed program image," in res.stderr, res.stderr
+    assert warnings_in(res.stderr) == [], res.stderr
     trace = TraceDir.open(tmp_path / "d")
-    (child,) = trace.meta()["processes"].values()
-    assert child["exit_code"] == 0 and child["exec"] and child["exec_image"].endswith("/echo")
+    child, echo = trace.meta()["processes"].values()
+    assert child["exec"] and child["exec_image"].endswith("/echo")
+    assert echo["exit_code"] == 0 and echo["execd_by"] == child["exec_traced"].split("#")[0]
     assert_counts_are_the_records(trace)
 
 
@@ -1300,8 +1361,8 @@ def test_an_attached_python_running_subprocesses_closes_its_own_fds(tmp_path):
         )
         assert output_after(target, res) == "b'0\\n'\nb'1\\n'\nb'2\\n'\n", res.stderr
     assert res.returncode == 0 and "4 processes" in res.stderr, res.stderr
-    assert warnings_in(res.stderr, but_exec_of="echo") == [], res.stderr
-    assert "3 forked children (" in res.stderr
+    assert warnings_in(res.stderr) == [], res.stderr
+    assert "3 exec'ed program images" in res.stderr
     assert target.returncode == 0
 
 

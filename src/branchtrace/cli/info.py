@@ -94,7 +94,7 @@ def _execd(meta: dict[str, Any], thread: str) -> bool:
     pid = (meta.get("threads") or {}).get(thread, {}).get("pid")
     if pid is None or pid == meta.get("pid"):
         return bool(meta.get("exec"))
-    return bool((meta.get("processes") or {}).get(str(pid), {}).get("exec"))
+    return bool((meta.get("processes") or {}).get(thread_label(pid), {}).get("exec"))
 
 
 def _human(n: int) -> str:
@@ -137,6 +137,8 @@ def _ending(meta: dict[str, Any]) -> str:
             return f"killed by signal {meta['signal']}"
     if meta.get("exit_code") is not None:
         return f"exited with status {meta['exit_code']}"
+    if meta.get("exec_traced"):  # its new image is traced under a key of its own
+        return f"called exec, traced on as {meta['exec_traced']}"
     if meta.get("dropped"):  # Frida dropped our session with it
         return "dropped by Frida, left running untraced"
     if meta.get("detached"):
@@ -200,15 +202,23 @@ def info(path: Path, as_json: bool) -> None:
                 f", ... ({len(names) - 6} more)" if len(names) > 6 else ""
             )
             out.print(f"modules: {shown}", markup=False)
-        children = meta.get("processes") or {}
+        processes = meta.get("processes") or {}
+        children = [e for e in processes.values() if "execd_by" not in e]
         if children:
             endings: dict[str, int] = {}
-            for ending in children.values():
+            for ending in children:
                 key = _ending(ending).split(",")[0]
                 endings[key] = endings.get(key, 0) + 1
             out.print(
                 f"followed {len(children)} forked child process(es): "
                 + ", ".join(f"{n} {e}" for e, n in sorted(endings.items())),
+                markup=False,
+            )
+        images = [e for e in processes.values() if "execd_by" in e]
+        if images:
+            names = sorted({Path(e.get("executable") or "?").name for e in images})
+            out.print(
+                f"followed {len(images)} exec'ed program image(s): {', '.join(names)}",
                 markup=False,
             )
         gaps: dict[str, int] = {}

@@ -16,6 +16,7 @@ from ..engines.base import Trigger
 from ..engines.stalker import StalkerEngine, resolve_program
 from ..errors import UsageError
 from ..store import Mode, parse_size
+from ..store.tracedir import thread_id, thread_label
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -46,20 +47,25 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     """Warnings, then one line: how the program ended and what was recorded."""
     for w in result.warnings:
         _CliEvents().warning(w)
-    for pid, ending in result.processes.items():
+    for key, ending in result.processes.items():
         if ending.get("frozen") or ending.get("no_code_traced"):  # named in a warning of its own
             continue
+        if ending.get("execd_by") and ending.get("ppid") is None:
+            continue  # the program's own exec: the last line says how it ended
+        child = f"forked child {thread_label(key)}"
+        if ending.get("executable"):
+            child += f" ({Path(str(ending['executable'])).name})"
         if ending.get("signal") is not None or ending.get("detached"):
-            _CliEvents().warning(
-                _ending(
-                    f"forked child {pid}",
-                    ending.get("exit_code"),
-                    ending.get("signal"),
-                    ending.get("detached"),
-                )
-            )
+            code, signum = ending.get("exit_code"), ending.get("signal")
+            _CliEvents().warning(_ending(child, code, signum, ending.get("detached")))
     n = len(result.threads)
-    processes = f"{len(result.processes) + 1} processes, " if result.processes else ""
+    processes = ""
+    if result.processes:
+        pids = {thread_id(key) for key in result.processes} | {result.pid}
+        images = sum("execd_by" in e for e in result.processes.values())
+        processes = f"{len(pids)} processes, " if len(pids) > 1 else ""
+        if images:
+            processes += f"{images} exec'ed program image{'s' if images != 1 else ''}, "
     switches = sum(t.switches for t in result.threads.values())
     err.print(
         f"branchtrace: {_ending(what, result.exit_code, result.signal, result.detached)}; "

@@ -145,7 +145,7 @@ def _where(sym: str, line: str) -> str:
 
 def _heading(trace: Trace, tid: int, what: str) -> None:
     pid = trace.pid_of(tid)
-    process = f", process {pid}" if pid != tid else ""
+    process = f", process {thread_label(pid)}" if pid != tid else ""
     out.print(f"[bold]thread {thread_label(tid)}{process}[/bold]: {what}")
 
 
@@ -468,7 +468,7 @@ def _process_ending(trace: Trace, tid: int) -> dict[str, Any]:
     pid = trace.pid_of(tid)
     if pid == int(meta.get("pid") or 0):
         return meta
-    return dict((meta.get("processes") or {}).get(str(pid)) or {})
+    return dict((meta.get("processes") or {}).get(thread_label(pid)) or {})
 
 
 def _killed_within_last_block(trace: Trace, tid: int) -> str | None:
@@ -481,6 +481,8 @@ def _killed_within_last_block(trace: Trace, tid: int) -> str | None:
     ending = _process_ending(trace, tid)
     if not ending or ending.get("detached"):
         return None
+    if ending.get("exec"):
+        return "the process called exec while this thread was within this block"
     signum = ending.get("signal")
     if not signum:
         if ending.get("exit_code") is None:

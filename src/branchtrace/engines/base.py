@@ -109,7 +109,7 @@ def finish_meta(
             "signal": result.signal,
             "detached": result.detached,
             "exec": result.execd,
-            "processes": {str(p): e for p, e in result.processes.items()},
+            "processes": {thread_label(p): e for p, e in result.processes.items()},
             "untraced_threads": untraced_threads,
             "warnings": result.warnings,
             "threads": {thread_label(t): s.__dict__ for t, s in result.threads.items()},

@@ -525,8 +525,11 @@ class _ForkCounters:
 class _Agent:
     """The agent loaded into one process of the recording."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, key: int | None = None) -> None:
         self.pid = pid
+        #: the process in the recording (tracedir.thread_key): its pid, or "pid#2" for the
+        #: image it exec'ed (with --follow-fork)
+        self.key = pid if key is None else key
         self.script: Any = None  # frida.core.Script
         self.ready = threading.Event()
         self.errors: list[str] = []
@@ -613,6 +616,7 @@ class _Recording:
         #: (stalker_agent.js)
         self.init: int | None = None
         self.traced_from: str | None = None
+        self.main_key: int | None = None  #: the spawned program's process
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
         self.released: set[int] = set()
@@ -646,6 +650,7 @@ class _Recording:
         init: int | None = None,
         before: set[str] | None = None,
         forked_from: int | None = None,
+        key: int | None = None,
     ) -> _Agent:
         """Load the agent into the process of `session`; raises if it does not start.  With
         `park` (--follow-fork) the agent parks a thread of its own, without which Frida drops
@@ -653,10 +658,12 @@ class _Recording:
         script (park in stalker_agent.js); a forked child is covered by its parent's.
         `init`: a spawned program's init_offset, where tracing starts.  `before`: what the
         process had open before Frida came in (_open_files); `forked_from`: else, the
-        parent of the forked child it is."""
-        agent = _Agent(pid)
-        if spawn:
+        parent of the forked child it is.  `key`: the process's key in the recording, when
+        it is not `pid` (an exec'ed image)."""
+        agent = _Agent(pid, key)
+        if spawn and key is None:
             self.init = init
+            self.main_key = pid
         params = {
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
@@ -665,7 +672,7 @@ class _Recording:
             "park": park,
             "triggers": [t.__dict__ for t in self.options.triggers],
             "snapshots": self.options.snapshots,
-            "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{pid}"),
+            "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{agent.key}"),
             "spared": self._frida_fds_of(pid, before, forked_from),
         }
         agent.script = session.create_script(agent_script(params))
@@ -843,7 +850,7 @@ class _Recording:
         elif kind == "thread-start":
             tid = int(payload["tid"])
             try:
-                path = self.add_thread(tid, agent.pid)
+                path = self.add_thread(tid, agent.key)
                 reply: dict[str, Any] = {"type": f"ring:{tid}", "path": str(path)}
             except BranchtraceError as e:
                 self._error(f"thread {tid} not traced: {e}")
@@ -856,7 +863,7 @@ class _Recording:
                 int(payload["size"]),
                 payload["path"],
                 time.time_ns(),
-                agent.pid,
+                agent.key,
             )
             try:
                 self.tracedir.append_module(event)
@@ -869,7 +876,7 @@ class _Recording:
             tid = int(payload["tid"])
             try:
                 trigger = self.options.triggers[int(payload["index"])].label
-                self.snapshot(trigger, self.live_key.get(tid, tid), agent.pid)
+                self.snapshot(trigger, self.live_key.get(tid, tid), agent.key)
             finally:
                 agent.script.post({"type": f"snapshot:{tid}"})
         elif kind == "error":
@@ -890,7 +897,7 @@ class _Recording:
                     continue  # cut short by the agent's end
                 if event.get("type") == "inline-cache":
                     self.inline_cache = int(event["entries"])
-                elif event.get("type") == "traced-from":
+                elif event.get("type") == "traced-from" and pid == self.main_key:
                     self.traced_from = str(event["at"])
                 elif event.get("type") == "thread-untraced":
                     self.untraced_threads.append(
@@ -1131,8 +1138,12 @@ class _ForkFollower:
         self.parents: dict[int, int] = {}
         self.ended: set[int] = set()
         self.replaced: set[int] = set()  #: children that called exec (Frida says so)
-        #: the program image each child exec'ed, as Frida reported it held (child gating)
+        #: the program image each process exec'ed (by key), as Frida reported it held
         self.exec_images: dict[int, str] = {}
+        #: each process's current image, by pid: its key in the recording (thread_key),
+        #: the pid itself until it calls exec, then "pid#2", ...
+        self.image: dict[int, int] = {}
+        self.exec_of: dict[int, int] = {}  #: the image each exec'ed one replaced, by key
         #: children whose session Frida dropped while they ran on, and why
         self.dropped: dict[int, str] = {}
         self._let_go_of: set[int] = set()  #: children we detach from ourselves
@@ -1168,11 +1179,15 @@ class _ForkFollower:
         with contextlib.suppress(Exception):
             _bounded(self.device.resume, pid)
 
-    def watch(self, session: Any, pid: int, agent: _Agent | None = None) -> None:
+    def watch(
+        self, session: Any, pid: int, agent: _Agent | None = None, execs: bool = True
+    ) -> None:
         """Frida holds each child of process `pid` (of `session`, with our `agent`) before it
-        runs."""
+        runs, and, with `execs`, the new image of the process when it calls exec."""
         if agent is not None:
             self._agents[session] = agent
+        if execs:
+            self.image.setdefault(pid, pid)
         session.enable_child_gating()
         self._gating.append(session)
         self._watched.add(pid)
@@ -1183,9 +1198,10 @@ class _ForkFollower:
 
     def _trace(self, child: Any) -> None:
         pid = int(child.pid)
+        if child.origin == "exec" and pid in self.image:
+            self._trace_image(pid, child)
+            return
         reused = pid in self.children or pid in self.killed
-        if child.origin == "exec" and pid in self.children:
-            self.exec_images[pid] = str(child.path)
         if child.origin != "fork" or reused:
             # an exec'ed or spawned image, not a fork of our program (a traced child that
             # calls exec is reported again, under its id); or a child given an earlier
@@ -1199,6 +1215,7 @@ class _ForkFollower:
                 self.device.resume(pid)
             return
         self.parents[pid] = int(child.parent_pid)
+        self.image[pid] = pid
         session = agent = None
         try:
             session = self.device.attach(pid)
@@ -1219,14 +1236,68 @@ class _ForkFollower:
             with contextlib.suppress(Exception):
                 self.device.resume(pid)
 
-    def _on_detached(self, pid: int, reason: str) -> None:
+    def _trace_image(self, pid: int, child: Any) -> None:
+        """Process `pid` of ours called exec: Frida holds its new image at its start, as a
+        spawned program; it is traced from its _init (or main) as one, under a key of its
+        own, with its own agent and rings."""
+        old = self.image[pid]
+        with self.rec.lock:  # the key add_thread gives the image's first thread
+            key = thread_key(pid, self.rec.ids_seen.get(pid, 0))
+        self.image[pid] = key
+        self.exec_of[key] = old
+        if old in self.parents:
+            self.parents[key] = self.parents[old]
+        exe = _executable_of(pid) or str(child.path)
+        self.exec_images[old] = exe
+        session = agent = None
+        try:
+            before = set(_open_files(pid).values())
+            session = self.device.attach(pid)
+            session.on("detached", lambda reason, crash: self._on_detached(key, reason))
+            ring = self.rec.add_thread(pid, key)
+            self.watch(session, pid)
+            agent = self.rec.load_agent(
+                session,
+                pid,
+                True,
+                ring,
+                park=True,
+                init=init_offset(Path(exe)),
+                before=before,
+                key=key,
+            )
+            self._agents[session] = agent
+            # not started yet, so no fork() is under way (as for a spawned program)
+            _bounded(agent.script.exports_sync.fork_done_last)
+        except Exception as e:
+            why = str(e) or type(e).__name__
+            self.untraced[key] = why
+            self.rec._error(f"{Path(exe).name}, exec'ed by pid {pid}, is not traced: {why}")
+        finally:
+            self.children[key] = (session, agent)
+            with contextlib.suppress(Exception):
+                self.device.resume(pid)
+
+    def exec_traced(self, key: int) -> bool:
+        """Whether the image that image `key` exec'ed is traced."""
+        return self._superseded(key) and self._next_image(key) not in self.untraced
+
+    def _next_image(self, key: int) -> int:
+        return next(new for new, old in self.exec_of.items() if old == key)
+
+    def _superseded(self, key: int) -> bool:
+        """Whether the image `key` exec'ed another, which is traced under a key of its own."""
+        return self.image.get(thread_id(key)) != key
+
+    def _on_detached(self, key: int, reason: str) -> None:
         if reason == "process-replaced":
-            self.replaced.add(pid)
-        ours = reason == "application-requested" and pid in self._let_go_of
-        if not ours and reason not in ("process-terminated", "process-replaced") and _running(pid):
-            self.dropped[pid] = reason
-            self.rec.orphaned.add(pid)  # its last records are read from the live rings
-        self.ended.add(pid)
+            self.replaced.add(key)
+        ours = reason == "application-requested" and key in self._let_go_of
+        lost = reason not in ("process-terminated", "process-replaced")
+        if not ours and lost and not self._superseded(key) and _running(thread_id(key)):
+            self.dropped[key] = reason
+            self.rec.orphaned.add(key)  # its last records are read from the live rings
+        self.ended.add(key)
 
     def frozen(self) -> list[int]:
         """The processes newly found frozen in Frida's recovery from a fork()
@@ -1242,13 +1313,13 @@ class _ForkFollower:
         found = []
         for agent in list(self._agents.values()):
             counters = agent.fork_counters
-            if agent.pid in self.ended:  # its pid may be another process's by now
+            if agent.key in self.ended:  # its pid may be another process's by now
                 continue
             if not agent.stuck and counters is not None and counters.frozen():
                 agent.stuck = agent.frozen = True
                 found.append(agent.pid)
-                if agent.pid in self.parents:
-                    self._kill(agent.pid, self.parents[agent.pid])
+                if agent.key in self.parents:
+                    self._kill(agent.pid, self.parents[agent.key])
         self._kill_frozen_unreported()
         return found
 
@@ -1293,10 +1364,13 @@ class _ForkFollower:
         self.killed[pid] = parent
 
     def running(self) -> list[int]:
+        """The keys of the images still running (a child's, or an exec'ed one's)."""
         return [
-            pid
-            for pid in self.children
-            if pid not in self.ended and self.watcher.status(pid, timeout=0) is None
+            key
+            for key in self.children
+            if key not in self.ended
+            and not self._superseded(key)
+            and self.watcher.status(thread_id(key), timeout=0) is None
         ]
 
     def wait(self, stop: threading.Event, deadline: float | None) -> None:
@@ -1362,7 +1436,7 @@ class _ForkFollower:
             thread.start()
         for thread in detaching:
             thread.join()
-        processes = {}
+        processes: dict[int, dict[str, Any]] = {}
         for pid, parent in self.killed.items():
             self.rec._error(
                 _frozen(
@@ -1373,44 +1447,59 @@ class _ForkFollower:
             )
             if pid not in self.children:  # never reported to us
                 processes[pid] = {"ppid": parent, "untraced": "frozen before Frida reported it"}
-        for pid in self.children:
-            ending: dict[str, Any] = {"ppid": self.parents.get(pid)}
-            if pid in self.untraced:
-                ending["untraced"] = self.untraced[pid]
-            if pid in self.dropped:
-                self.rec._error(_dropped_warning(f"forked child {pid}", self.dropped[pid]))
-                ending["dropped"] = self.dropped[pid]
-            if pid in running or pid in self.dropped:
+        for key in self.children:
+            pid = thread_id(key)
+            ending: dict[str, Any] = {"ppid": self.parents.get(key)}
+            if key in self.exec_of:
+                ending["execd_by"] = thread_label(self.exec_of[key])
+                ending["executable"] = self.exec_images.get(self.exec_of[key])
+            if key in self.untraced:
+                ending["untraced"] = self.untraced[key]
+            if key in self.dropped:
+                self.rec._error(_dropped_warning(f"forked child {pid}", self.dropped[key]))
+                ending["dropped"] = self.dropped[key]
+            superseded = self._superseded(key)
+            if key in running or key in self.dropped:
                 ending["detached"] = True
-            else:
+            elif not superseded:
                 status = self.watcher.status(pid, timeout=2)
                 if status is not None:
                     ending["exit_code"], ending["signal"] = describe(status)
-            if pid in self.replaced or pid in self.watcher.execs:
+            # the watcher's execs are of the pid: they tell only of its first image's
+            if superseded or key in self.replaced or (key == pid and pid in self.watcher.execs):
                 ending["exec"] = True  # its trace ends at its exec
-                if pid in self.exec_images:
-                    ending["exec_image"] = self.exec_images[pid]
-            processes[pid] = ending
-        execd = [pid for pid, ending in processes.items() if ending.get("exec")]
+                if key in self.exec_images:
+                    ending["exec_image"] = self.exec_images[key]
+                if self.exec_traced(key):
+                    ending["exec_traced"] = thread_label(self._next_image(key))
+            processes[key] = ending
+        execd = [
+            key
+            for key, ending in processes.items()
+            if ending.get("exec") and not ending.get("exec_traced") and key in self.parents
+        ]
         if execd:
             self.rec._error(_children_exec_warning(execd, processes))
         for pid in self.killed:
-            processes[pid]["frozen"] = True
-            processes[pid].setdefault("signal", signal.SIGKILL.value)
+            key = self.image.get(pid, pid)  # killed in the image it ran then
+            entry = processes[key if key in processes else pid]
+            entry["frozen"] = True
+            entry.setdefault("signal", signal.SIGKILL.value)
         return processes
 
-    def _detach(self, pid: int) -> None:
-        session, agent = self.children[pid]
-        self._let_go_of.add(pid)
+    def _detach(self, key: int) -> None:
+        session, agent = self.children[key]
+        self._let_go_of.add(key)
+        what = f"forked child {thread_label(key)}"
         try:
             stopped = _stop_agent(agent) if agent is not None else {}
             asleep = stopped.get("asleep", [])
             if agent is not None:
-                asleep = _let_go_asleep(pid, agent, asleep)
+                asleep = _let_go_asleep(thread_id(key), agent, asleep)
             if not _detached(session):
-                self.rec._error(_unloading_later(f"forked child {pid}", asleep))
+                self.rec._error(_unloading_later(what, asleep))
         except AgentTimeoutError:
-            self.rec._error(_stuck_agent(f"forked child {pid}", agent is not None and agent.frozen))
+            self.rec._error(_stuck_agent(what, agent is not None and agent.frozen))
         except Exception:
             pass  # it ended meanwhile
 
@@ -1593,7 +1682,9 @@ class StalkerEngine:
         watcher.close()
         if replaced.is_set() or pid in watcher.execs:
             result.execd = True
-            result.warnings.append(_exec_warning(argv[0]))
+            if forks is None or not forks.exec_traced(pid):
+                hint = "--follow-fork traces it too" if forks is None else None
+                result.warnings.append(_exec_warning(argv[0], *([hint] if hint else [])))
         if wait_status is not None:
             result.exit_code, result.signal = describe(wait_status)
         elif status:  # without root: waitid, when it won the race against Frida's reaper
@@ -1700,7 +1791,8 @@ class StalkerEngine:
                 def hold_children() -> None:
                     # from here on Frida holds each child forked: not ours to free
                     under_frida.attached(follow_new=False)
-                    follower.watch(session, pid, agent)
+                    # an exec ends the recording of an attached program (_attached_gone)
+                    follower.watch(session, pid, agent, execs=False)
 
                 gating = hold_children
             with _forks_held(agent, tids, gating):
@@ -1863,10 +1955,10 @@ def _ran_blocks(tracedir: TraceDir, tid: int) -> bool:
         return True  # not known: not claimed
 
 
-def _exec_warning(what: str) -> str:
+def _exec_warning(what: str, hint: str = "record the new program by itself to trace it") -> str:
     return (
         f"{what} called exec: the new program image was not traced (the trace ends at the "
-        "exec; record the new program by itself to trace it)"
+        f"exec; {hint})"
     )
 
 
@@ -1874,9 +1966,9 @@ def _children_exec_warning(pids: list[int], processes: dict[int, dict[str, Any]]
     names = sorted({Path(processes[p].get("exec_image") or "?").name for p in pids} - {"?"})
     images = f" ({', '.join(names[:6])}{', ...' if len(names) > 6 else ''})" if names else ""
     if len(pids) == 1:
-        who = f"forked child {pids[0]} called exec{images}: the new program image was"
+        who = f"forked child {thread_label(pids[0])} called exec{images}: the new program image was"
     else:
-        listed = ", ".join(map(str, pids[:5])) + (", ..." if len(pids) > 5 else "")
+        listed = ", ".join(map(thread_label, pids[:5])) + (", ..." if len(pids) > 5 else "")
         who = f"{len(pids)} forked children ({listed}) called exec{images}: the new images were"
     return (
         f"{who} not traced (a child's trace ends at its exec; record the new program by "
@@ -1889,6 +1981,12 @@ def _dropped_warning(what: str, reason: str) -> str:
         f"Frida dropped its session with {what} ({reason}) while it ran on: its trace ends "
         "there, and it ran on untraced"
     )
+
+
+def _executable_of(pid: int) -> str | None:
+    with contextlib.suppress(OSError):
+        return os.readlink(f"/proc/{pid}/exe")
+    return None
 
 
 def _open_files(pid: int) -> dict[int, str]:
