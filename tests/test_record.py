@@ -1239,10 +1239,18 @@ def test_follow_fork_traces_the_programs_that_the_program_and_its_children_exec(
     assert "followed 3 exec'ed program image(s): dash, loop23" in info.stdout.replace(
         os.path.basename(shell), "dash"
     )
+    # each image that exec'ed ends at its execve system call (a THREAD_EXIT record)
+    opened = branchtrace.open(trace.path)
+    for key in (pid, parse_thread_label(f"{pid}#2"), child):
+        end = opened.end(key)
+        assert end is not None and end.call == "execve" and end.status is None
+        where = opened.modules(key).symbolize(np.array([end.address]))[0]
+        assert where.startswith("execve+"), where
     insns = subprocess.run(
         [*BT, "insns", str(tmp_path / "d"), "--tid", str(pid)], capture_output=True, text=True
     )
-    assert insns.stdout.count("-- the process called exec while this thread was within") == 1
+    assert insns.stdout.splitlines()[-1] == "-- the process exec'ed a new program here: execve()"
+    assert insns.stdout.splitlines()[-2].split()[1:] == [where, "syscall"]
     assert_counts_are_the_records(trace)
 
 

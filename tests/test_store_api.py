@@ -38,7 +38,7 @@ from branchtrace.store import (
     parse_words,
     record_words,
 )
-from branchtrace.store.format import HEADER_SIZE, c_definitions, meta_entry
+from branchtrace.store.format import HEADER_SIZE, block_word, c_definitions, meta_entry
 from branchtrace.store.tracedir import (
     GENERATION,
     TraceDir,
@@ -547,3 +547,28 @@ def test_a_stream_file_behind_its_ring_is_named_incomplete(tmp_path):
         d.words(77)
     writer.close()
     ring.close()
+
+
+def test_a_thread_end_is_the_thread_exit_record_after_which_nothing_ran():
+    from branchtrace.analysis.trace import thread_end
+
+    def words(*records: list[int]) -> np.ndarray:
+        return np.array([w for r in records for w in r], dtype=np.uint64)
+
+    blocks = [block_word(0x401000 + 16 * i, 4) for i in range(200)]
+    exit_group = record_words(RecordType.THREAD_EXIT, 7, 123, 0x7F00_0000_1234, 3, 231)
+    execve = record_words(RecordType.THREAD_EXIT, 7, 124, 0x7F00_0000_2000, 0x5555, 59)
+    lost = record_words(RecordType.LOST, 0, 9)
+    end = thread_end(words(blocks, exit_group, lost))
+    assert end is not None and (end.call, end.status) == ("exit_group", 3)
+    assert end.address == 0x7F00_0000_1234
+    assert end.describe() == "the process ended here: exit_group(3)"
+    end = thread_end(words(blocks, execve))
+    assert end is not None and (end.call, end.status) == ("execve", None)
+    # an exec that failed: the thread ran on, and its end is not there
+    assert thread_end(words(blocks, execve, blocks[:3])) is None
+    assert thread_end(words(blocks, execve, blocks[:3], exit_group)).call == "exit_group"
+    assert thread_end(words(blocks)) is None
+    # a negative status, as exit(-1) passes it
+    minus = record_words(RecordType.THREAD_EXIT, 7, 1, 0x401000, 0xFFFFFFFF, 60)
+    assert thread_end(words(blocks, minus)).status == -1

@@ -66,7 +66,8 @@ def describe_break(row: np.void) -> str:
 
 
 #: system call numbers that end a thread (THREAD_EXIT's `number`)
-_EXIT_CALLS = {60: "exit", 231: "exit_group"}
+_EXIT_CALLS = {60: "exit", 231: "exit_group", 59: "execve", 322: "execveat"}
+EXEC_CALLS = ("execve", "execveat")
 
 
 @dataclass(frozen=True)
@@ -74,19 +75,24 @@ class ThreadEnd:
     """How a thread's trace ends, when the thread ended itself: a THREAD_EXIT record."""
 
     time_ns: int
-    address: int  #: the exit system call instruction; 0: not known
-    status: int  #: the call's argument
-    call: str  #: "exit" (the thread ends) or "exit_group" (the whole process does)
+    address: int  #: the system call instruction; 0: not known
+    status: int | None  #: exit's argument; None for an exec
+    #: "exit" (the thread ends), "exit_group" (the whole process does), or "execve" /
+    #: "execveat" (the process's program image does)
+    call: str
 
     def describe(self, where: str = "here") -> str:
+        if self.call in EXEC_CALLS:
+            return f"the process exec'ed a new program {where}: {self.call}()"
         whom = "the process" if self.call == "exit_group" else "the thread"
         return f"{whom} ended {where}: {self.call}({self.status})"
 
 
 def thread_end(words: np.ndarray) -> ThreadEnd | None:
-    """The THREAD_EXIT record among a thread's last records, if any.  A thread's end is
-    the last thing it writes (then, at most, a LOST record and padding), and a word with
-    bit 63 set is always a record header, so the tail alone is enough."""
+    """The THREAD_EXIT record that ends a thread's records, if any.  A thread's end is the
+    last thing it writes (then, at most, a LOST record), and a word with bit 63 set is
+    always a record header, so the tail alone is enough.  One followed by blocks is not
+    an end (an exec that failed)."""
     tail = np.ascontiguousarray(words[-128:], np.uint64)
     rtype = (tail >> np.uint64(TYPE_SHIFT)) & np.uint64(TYPE_MASK)
     is_header = (tail >> np.uint64(63)).astype(bool)
@@ -95,15 +101,29 @@ def thread_end(words: np.ndarray) -> ThreadEnd | None:
         return None
     i = int(headers[-1])
     n = int((tail[i] >> np.uint64(LEN_SHIFT)) & np.uint64(LEN_MASK))
+    after = tail[i + 1 + n :]
+    if np.any(~(after >> np.uint64(63)).astype(bool) & (after != 0) & ~_payloads(after)):
+        return None
     payload = [int(w) for w in tail[i + 1 : i + 1 + n]] + [0] * 4
     address = int(unpayload(np.array(payload[1:2], np.uint64))[0])
+    call = _EXIT_CALLS.get(payload[3], f"system call {payload[3]}")
     status = payload[2] & 0xFFFFFFFF
     return ThreadEnd(
         time_ns=payload[0],
         address=address,
-        status=status - (1 << 32) if status >= 1 << 31 else status,
-        call=_EXIT_CALLS.get(payload[3], f"system call {payload[3]}"),
+        status=None if call in EXEC_CALLS else status - (1 << 32) if status >= 1 << 31 else status,
+        call=call,
     )
+
+
+def _payloads(words: np.ndarray) -> np.ndarray:
+    """Which of `words` (whole records) are payload words of the records among them."""
+    out = np.zeros(words.size, bool)
+    headers = np.flatnonzero((words >> np.uint64(63)).astype(bool))
+    for h in headers.tolist():
+        n = int((words[h] >> np.uint64(LEN_SHIFT)) & np.uint64(LEN_MASK))
+        out[h + 1 : h + 1 + n] = True
+    return out
 
 
 @dataclass

@@ -787,6 +787,34 @@ static void release_thread(BtThread *t, int ended) {
   give_back_slot(t);
 }
 
+/* Where the thread ends, with the system call about to end it (THREAD_EXIT): its last
+   block runs on past that instruction in the code (`syscall; jmp back` in start_thread),
+   and none of that runs. */
+static void write_end(BtThread *t, GumCpuContext *cpu) {
+  if (t->closed)
+    return;
+  long ts[2];
+  clock_gettime(1 /* CLOCK_MONOTONIC */, ts);
+  uint64_t end[5] = {bt_escape(BT_RECORDTYPE_THREAD_EXIT, 4, t->tid & 0xffffffffffULL),
+                     (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK,
+                     t->syscall_at & BT_PAYLOAD_MASK, cpu->rdi & BT_PAYLOAD_MASK,
+                     cpu->rax & BT_PAYLOAD_MASK};
+  t->in_c++;
+  sync_head(t);
+  write_counted(t, end, 5);
+  refill(t);
+  leave_c(t);
+}
+
+/* Before an execve() or execveat(): the same record, as the process's image ends there if
+   the call succeeds (the ring is left as the exec finds it, read as ended at exec).  One
+   that fails returns, and the thread's next blocks follow the record: readers take a
+   THREAD_EXIT for the end only when nothing is recorded after it. */
+static void on_exec_syscall(GumCpuContext *cpu, gpointer user_data) {
+  if (!in_forked_child())
+    write_end(user_data, cpu);
+}
+
 /* Before a system call instruction, when it is exit (the thread ends) or exit_group (the
    process does): see put_syscall_checks.  Nothing but the kernel runs after it, and the ring is
    closed, so that it ends like the ring of a thread that ended, its records counted as
@@ -796,21 +824,7 @@ static void on_exit_syscall(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
   if (in_forked_child())
     return;
-  if (!t->closed) {
-    /* where the thread ended: its last block runs on past the system call in the code
-       (`syscall; jmp back` in start_thread), and none of that runs */
-    long ts[2];
-    clock_gettime(1 /* CLOCK_MONOTONIC */, ts);
-    uint64_t end[5] = {bt_escape(BT_RECORDTYPE_THREAD_EXIT, 4, t->tid & 0xffffffffffULL),
-                       (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK,
-                       t->syscall_at & BT_PAYLOAD_MASK, cpu->rdi & BT_PAYLOAD_MASK,
-                       cpu->rax & BT_PAYLOAD_MASK};
-    t->in_c++;
-    sync_head(t);
-    write_counted(t, end, 5);
-    refill(t);
-    leave_c(t);
-  }
+  write_end(t, cpu);
   bt_thread_close(t);
   if (cpu->rax == 60 /* exit */)
     release_thread(t, 1);
@@ -1573,6 +1587,10 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
             (gconstpointer)(address | (1ULL << 62)));
   put_check(iterator, cw, t, 436 /* close_range */, on_close_range, go,
             (gconstpointer)(address | (1ULL << 61)));
+  put_check(iterator, cw, t, 59 /* execve */, on_exec_syscall, go,
+            (gconstpointer)(address | (1ULL << 60)));
+  put_check(iterator, cw, t, 322 /* execveat */, on_exec_syscall, go,
+            (gconstpointer)(address | (1ULL << 59)));
   static const uint8_t exit_check[] = {
       0x48, 0x8d, 0x48, 0xc4,                   /* lea rcx, [rax-60] */
       0xe3, 0x0e,                               /* jrcxz exit (over 14 bytes) */

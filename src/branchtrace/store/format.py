@@ -76,7 +76,8 @@ class RecordType(IntEnum):
     SWITCH_IN = 5  #: task arrives (seed MAGIC2): arg=cpu, a=time_ns, b=ip
     THREAD_START = 6  #: arg=tid, a=time_ns
     #: arg=tid, a=time_ns, b=ip of the exit system call (0: unknown); more payload: the
-    #: call's argument (the status) and its number (60 exit, 231 exit_group)
+    #: call's argument (the status) and its number (60 exit, 231 exit_group; 59 execve and
+    #: 322 execveat end the image only if nothing follows: an exec that fails returns)
     THREAD_EXIT = 7
     LOST = 8  #: records were dropped here: a=count
     PROBE_HIT = 9  #: arg=probe id, a=time_ns, b=ip, more payload words = fetched values
