@@ -1737,6 +1737,25 @@ def attached_until_the_end(
     return tool.returncode, err
 
 
+def test_attached_with_follow_fork_the_program_it_execs_is_traced_on(tmp_path, programs):
+    # Frida ends the session with an attached program as it calls exec: the recording
+    # ended there, with a warning; with --follow-fork the new image is traced on, from its
+    # _init, until it ends (or the recording does)
+    loop23 = programs["loop23"]
+    script = f"echo ready; read line; exec {loop23}"
+    with attach_target("/bin/sh", "-c", script, stdin=subprocess.PIPE) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, "stream", "--follow-fork")
+        assert target.wait(timeout=30) == 0 and target.stdout.read() == "253\n"
+    assert status == 0 and "exited with status 0" in err, err
+    assert "1 exec'ed program image" in err and not [w for w in warnings_in(err) if "exec" in w]
+    trace = TraceDir.open(tmp_path / "d")
+    image = f"{target.pid}#2"
+    assert trace.meta()["processes"][image]["executable"] == str(loop23)
+    assert trace.meta()["processes"][image]["exit_code"] == 0
+    assert calls_to(trace, parse_thread_label(image), loop23, "f") == 23
+    assert_counts_are_the_records(trace)
+
+
 @pytest.mark.parametrize("mode", ["stream", "wrap"])
 def test_an_attached_program_that_crashes_is_reported_with_its_signal(tmp_path, programs, mode):
     ticks = 5000

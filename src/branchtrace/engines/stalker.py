@@ -1791,8 +1791,8 @@ class StalkerEngine:
                 def hold_children() -> None:
                     # from here on Frida holds each child forked: not ours to free
                     under_frida.attached(follow_new=False)
-                    # an exec ends the recording of an attached program (_attached_gone)
-                    follower.watch(session, pid, agent, execs=False)
+                    # and the new image of the program when it calls exec
+                    follower.watch(session, pid, agent)
 
                 gating = hold_children
             with _forks_held(agent, tids, gating):
@@ -1831,10 +1831,12 @@ class StalkerEngine:
             )
         deadline = None if options.duration is None else time.monotonic() + options.duration
         next_check = 0.0
-        while not stop.is_set() and not gone.is_set():
+        while not stop.is_set() and not (gone.is_set() and not _image_traced(forks, pid, why_gone)):
             now = time.monotonic()
             if deadline is not None and now > deadline:
                 break
+            if gone.is_set() and watcher.status(pid, timeout=0) is not None:
+                break  # the program it exec'ed has ended
             if now > next_check:
                 under_frida.free_stuck()
                 if forks is not None and pid in forks.frozen():
@@ -1849,7 +1851,8 @@ class StalkerEngine:
         under_frida.detaching()
         agent_stays = False  #: Frida unloads its agent only later (_detached)
         if gone.is_set():  # before the end, or while the children were wound up
-            self._attached_gone(pid, why_gone[0], rec, result, watcher)
+            traced = forks is not None and forks.exec_traced(pid)
+            self._attached_gone(pid, why_gone[0], rec, result, watcher, traced)
         else:
             try:
                 stopped = _stop_agent(agent)
@@ -1890,9 +1893,15 @@ class StalkerEngine:
 
     @staticmethod
     def _attached_gone(
-        pid: int, reason: str, rec: _Recording, result: RecordResult, watcher: ExitWatcher
+        pid: int,
+        reason: str,
+        rec: _Recording,
+        result: RecordResult,
+        watcher: ExitWatcher,
+        exec_traced: bool = False,
     ) -> None:
-        """The session with attached process `pid` ended before the recording did."""
+        """The session with attached process `pid` ended before the recording did
+        (`exec_traced`: by an exec whose new image was traced on, with --follow-fork)."""
         running = _running(pid)
         # the watcher reads an exec event before the exit event: once it has the exit
         # status, it knows of any exec
@@ -1900,7 +1909,8 @@ class StalkerEngine:
         called_exec = reason == "process-replaced" or pid in watcher.execs
         if called_exec:
             result.execd = True
-            result.warnings.append(_exec_warning(f"pid {pid}"))
+            if not exec_traced:
+                result.warnings.append(_exec_warning(f"pid {pid}", "--follow-fork traces it too"))
         if status is not None:
             result.exit_code, result.signal = describe(status)
         elif running:
@@ -1953,6 +1963,18 @@ def _ran_blocks(tracedir: TraceDir, tid: int) -> bool:
         return bool((parse_words(words, pos)["type"] == RecordType.BLOCK).any())
     except StoreError:
         return True  # not known: not claimed
+
+
+def _image_traced(forks: _ForkFollower | None, pid: int, why_gone: list[str]) -> bool:
+    """Whether attached process `pid`, whose session is gone, is traced on in the program
+    image it exec'ed: Frida ends the session as the exec happens, and the follower takes up
+    the new image a moment later (Frida holds it meanwhile)."""
+    if forks is None or why_gone[:1] != ["process-replaced"]:
+        return False
+    deadline = time.monotonic() + 10
+    while forks.image.get(pid, pid) == pid and time.monotonic() < deadline and _running(pid):
+        time.sleep(0.01)
+    return forks.exec_traced(pid)
 
 
 def _exec_warning(what: str, hint: str = "record the new program by itself to trace it") -> str:
