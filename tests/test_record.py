@@ -1292,6 +1292,15 @@ def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(
         assert trace.thread_pid(image) == image and thread_id(image) == child
         assert meta["processes"][thread_label(image)]["executable"] == os.path.realpath("/bin/true")
         assert meta["processes"][str(child)]["exec_traced"] == thread_label(image)
+    elif follow_fork and how != "failexec":
+        # the child runs no code of its own before its exec: the program it runs (true, or
+        # system()'s and popen()'s shell) is traced from its start, a child of the program
+        (child,) = children
+        ending = meta["processes"][str(child)]
+        assert ending["spawned"] and ending["ppid"] == pid and ending["exit_code"] == status
+        shell = os.path.realpath("/bin/sh" if how in ("system", "popen") else "/bin/true")
+        assert ending["executable"] == shell
+        assert branchtrace.open(trace.path).end(child).call == "exit_group"
     else:
         assert children == []
     assert_counts_are_the_records(trace)

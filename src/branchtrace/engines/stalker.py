@@ -1144,6 +1144,8 @@ class _ForkFollower:
         #: the pid itself until it calls exec, then "pid#2", ...
         self.image: dict[int, int] = {}
         self.exec_of: dict[int, int] = {}  #: the image each exec'ed one replaced, by key
+        #: children made by posix_spawn(), system(), popen(), by key: their program
+        self.spawned: dict[int, str] = {}
         #: children whose session Frida dropped while they ran on, and why
         self.dropped: dict[int, str] = {}
         self._let_go_of: set[int] = set()  #: children we detach from ourselves
@@ -1201,6 +1203,14 @@ class _ForkFollower:
         if child.origin == "exec" and pid in self.image:
             self._trace_image(pid, child)
             return
+        if child.origin in ("exec", "spawn") and pid not in self.children:
+            parent = _parent_of(pid)
+            if parent in self.image and parent in self._watched:
+                # made by posix_spawn(), system() or popen() in a process of ours: it shares
+                # its parent's memory until its exec, and comes to us as that exec
+                self.parents[pid] = parent
+                self._trace_image(pid, child)
+                return
         reused = pid in self.children or pid in self.killed
         if child.origin != "fork" or reused:
             # an exec'ed or spawned image, not a fork of our program (a traced child that
@@ -1237,18 +1247,22 @@ class _ForkFollower:
                 self.device.resume(pid)
 
     def _trace_image(self, pid: int, child: Any) -> None:
-        """Process `pid` of ours called exec: Frida holds its new image at its start, as a
-        spawned program; it is traced from its _init (or main) as one, under a key of its
-        own, with its own agent and rings."""
-        old = self.image[pid]
+        """Process `pid` called exec: one of ours, or a child one of ours made with
+        posix_spawn() (which runs no code of its own before).  Frida holds the new image at
+        its start, as a spawned program; it is traced from its _init (or main) as one, with
+        its own agent and rings, under a key of its own ("pid#2" after an image of ours)."""
+        old = self.image.get(pid)
         with self.rec.lock:  # the key add_thread gives the image's first thread
             key = thread_key(pid, self.rec.ids_seen.get(pid, 0))
         self.image[pid] = key
-        self.exec_of[key] = old
+        exe = _executable_of(pid) or str(child.path)
+        if old is not None:
+            self.exec_of[key] = old
+            self.exec_images[old] = exe
+        else:
+            self.spawned[key] = exe
         if old in self.parents:
             self.parents[key] = self.parents[old]
-        exe = _executable_of(pid) or str(child.path)
-        self.exec_images[old] = exe
         session = agent = None
         try:
             before = set(_open_files(pid).values())
@@ -1453,6 +1467,9 @@ class _ForkFollower:
             if key in self.exec_of:
                 ending["execd_by"] = thread_label(self.exec_of[key])
                 ending["executable"] = self.exec_images.get(self.exec_of[key])
+            if key in self.spawned:  # a child that ran no code of the parent's
+                ending["spawned"] = True
+                ending["executable"] = self.spawned[key]
             if key in self.untraced:
                 ending["untraced"] = self.untraced[key]
             if key in self.dropped:
@@ -1465,8 +1482,10 @@ class _ForkFollower:
                 status = self.watcher.status(pid, timeout=2)
                 if status is not None:
                     ending["exit_code"], ending["signal"] = describe(status)
-            # the watcher's execs are of the pid: they tell only of its first image's
-            if superseded or key in self.replaced or (key == pid and pid in self.watcher.execs):
+            # the watcher's execs are of the pid: they tell only of its first image's (a
+            # spawned child's is the one that made it)
+            first_execd = key == pid and pid in self.watcher.execs and key not in self.spawned
+            if superseded or key in self.replaced or first_execd:
                 ending["exec"] = True  # its trace ends at its exec
                 if key in self.exec_images:
                     ending["exec_image"] = self.exec_images[key]
@@ -2003,6 +2022,13 @@ def _dropped_warning(what: str, reason: str) -> str:
         f"Frida dropped its session with {what} ({reason}) while it ran on: its trace ends "
         "there, and it ran on untraced"
     )
+
+
+def _parent_of(pid: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[1])
+    return None
 
 
 def _executable_of(pid: int) -> str | None:
