@@ -145,7 +145,8 @@ output_option = click.option(
 @click.option(
     "--follow-fork",
     is_flag=True,
-    help="also trace the child processes the program forks (each thread into DIR)",
+    help="also trace the child processes the program forks or spawns, and the programs "
+    "they and it exec (each as a process of its own, its threads into DIR)",
 )
 @click.option(
     "--trigger",
