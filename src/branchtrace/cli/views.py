@@ -347,7 +347,7 @@ def _newest_instructions(
 ) -> list[tuple[int, str, int]]:
     """(address, text, block index) of the newest `count` executed instructions, oldest
     first, reconstructed by disassembling the recorded blocks (capstone).  A thread that
-    ended itself stops at its exit system call, inside its last block."""
+    ended itself stops at the system call that ended it, inside its last block."""
     from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 
     cs = Cs(CS_ARCH_X86, CS_MODE_64)

@@ -1181,15 +1181,12 @@ class _ForkFollower:
         with contextlib.suppress(Exception):
             _bounded(self.device.resume, pid)
 
-    def watch(
-        self, session: Any, pid: int, agent: _Agent | None = None, execs: bool = True
-    ) -> None:
+    def watch(self, session: Any, pid: int, agent: _Agent | None = None) -> None:
         """Frida holds each child of process `pid` (of `session`, with our `agent`) before it
-        runs, and, with `execs`, the new image of the process when it calls exec."""
+        runs, and the new image of the process when it calls exec."""
         if agent is not None:
             self._agents[session] = agent
-        if execs:
-            self.image.setdefault(pid, pid)
+        self.image.setdefault(pid, pid)
         session.enable_child_gating()
         self._gating.append(session)
         self._watched.add(pid)
