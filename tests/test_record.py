@@ -1254,6 +1254,38 @@ def test_follow_fork_traces_the_programs_that_the_program_and_its_children_exec(
     assert_counts_are_the_records(trace)
 
 
+def test_a_killed_recorders_exec_images_keep_their_own_modules(tmp_path, programs):
+    # meta.json names each thread's process only at the end: a recorder killed before left
+    # the views taking every thread for the main process's, and an exec'ed image's code
+    # was looked up in the modules of another program (no f, no symbol of loop23 at all)
+    loop23, out = programs["loop23"], tmp_path / "d"
+    script = f"{loop23}; {loop23}; exec sleep 60"
+    tool = subprocess.Popen(
+        [*BT, "record", "-o", str(out), "--follow-fork", "--", "/bin/sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert tool.stdout is not None
+    assert [tool.stdout.readline(), tool.stdout.readline()] == ["253\n", "253\n"]
+    tool.kill()
+    tool.wait(timeout=30)
+    tool.stdout.close()
+    trace = branchtrace.open(out)
+    try:
+        images = [t for t in trace.threads if t >= GENERATION]
+        for_loop23 = [t for t in images if trace.modules(t).runtime_address("loop23", "f")]
+        assert len(for_loop23) == 2, [thread_label(t) for t in images]
+        for tid in for_loop23:
+            assert trace.pid_of(tid) == tid
+            f = trace.modules(tid).runtime_address("loop23", "f")
+            b = trace.branches(tid)
+            assert int(((b["to"] == f) & (b["kind"] == BranchKind.CALL)).sum()) == 23
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(trace.meta["pid"], signal.SIGKILL)
+
+
 @pytest.mark.parametrize("follow_fork", [False, True], ids=["", "follow-fork"])
 @pytest.mark.parametrize("how", ["posix_spawn", "system", "popen", "vfork", "failexec"])
 def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(

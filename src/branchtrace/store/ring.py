@@ -352,6 +352,11 @@ class Ring:
     def tid(self) -> int:
         return self._get("tid")
 
+    @property
+    def created_ns(self) -> int:
+        """When the ring was made, or taken for its thread (wall clock, time.time_ns)."""
+        return self._get("created_ns")
+
     def header(self) -> dict[str, int | bytes]:
         """All header fields, for `branchtrace info` and debugging."""
         h = self._hdr[0]

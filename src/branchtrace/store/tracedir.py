@@ -237,10 +237,37 @@ class TraceDir:
         return [e for e in events if e.pid == pid or (e.pid == 0 and pid == main)]
 
     def thread_pid(self, tid: int, meta: dict[str, Any] | None = None) -> int:
-        """The process thread `tid` belongs to (`meta`: meta.json, if already read)."""
+        """The process thread `tid` belongs to (`meta`: meta.json, if already read): its
+        key, as the module records name it ("pid#2" for the image a process exec'ed)."""
         meta = self.meta() if meta is None else meta
         pid = (meta.get("threads") or {}).get(thread_label(tid), {}).get("pid")
-        return int(pid) if pid else int(meta.get("pid") or 0)
+        if pid:
+            return int(pid)
+        return self._process_of_ring(tid) or int(meta.get("pid") or 0)
+
+    def _process_of_ring(self, tid: int) -> int | None:
+        """For a recording that did not finish (meta.json lists no threads): the process
+        of thread `tid`, from the module records, which name their process as it was
+        recorded.  A process's first thread has its key; another thread's ring says which
+        pid wrote it, and of the images that pid ran, it is of the last one whose modules
+        were recorded before its ring was made."""
+        events = self.modules()
+        keys = {e.pid for e in events}
+        if tid in keys:
+            return tid
+        try:
+            with Ring.open(self.ring_path(tid)) as ring:
+                writer, created = ring.writer_pid, ring.created_ns
+        except (OSError, StoreError):
+            return None
+        first_load: dict[int, int] = {}
+        for e in events:
+            if e.pid % GENERATION == writer:
+                first_load[e.pid] = min(first_load.get(e.pid, e.time_ns), e.time_ns)
+        before = [k for k, t in first_load.items() if t <= created]
+        if before:
+            return max(before, key=first_load.__getitem__)
+        return min(first_load, key=first_load.__getitem__) if first_load else None
 
     def threads(self) -> list[int]:
         """The keys of the threads recorded (thread_key), in order."""
