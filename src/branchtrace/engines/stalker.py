@@ -2141,7 +2141,7 @@ def _how(options: RecordOptions, rec: _Recording) -> str:
     return (
         f"the stalker engine, {options.mode.name.lower()} mode, "
         f"{_human(options.buffer_size)} per thread"
-        + (", following forks" if options.follow_fork else "")
+        + (", following forks and execs" if options.follow_fork else "")
         + f", into {rec.tracedir.path}"
     )
 
