@@ -107,13 +107,8 @@ def thread_end(words: np.ndarray) -> ThreadEnd | None:
     payload = [int(w) for w in tail[i + 1 : i + 1 + n]] + [0] * 4
     address = int(unpayload(np.array(payload[1:2], np.uint64))[0])
     call = _EXIT_CALLS.get(payload[3], f"system call {payload[3]}")
-    status = payload[2] & 0xFFFFFFFF
-    return ThreadEnd(
-        time_ns=payload[0],
-        address=address,
-        status=None if call in EXEC_CALLS else status - (1 << 32) if status >= 1 << 31 else status,
-        call=call,
-    )
+    status = int(np.uint32(payload[2] & 0xFFFFFFFF).view(np.int32))  # exit() takes an int
+    return ThreadEnd(payload[0], address, None if call in EXEC_CALLS else status, call)
 
 
 def _payloads(words: np.ndarray) -> np.ndarray:
@@ -203,9 +198,9 @@ class Trace:
         return self._blocks[tid]
 
     def end(self, tid: int) -> ThreadEnd | None:
-        """Where the thread ended itself (exit or exit_group), if its trace says so; None
-        for a thread that was killed, crashed with the process, or was still running when
-        the recording stopped."""
+        """Where the thread ended itself (exit, exit_group, or an exec that replaced its
+        program), if its trace says so; None for a thread that was killed, crashed with the
+        process, or was still running when the recording stopped."""
         self.blocks(tid)
         return self._ends[tid]
 

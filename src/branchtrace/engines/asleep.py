@@ -199,6 +199,7 @@ def _after_a_stop(pid: int, tid: int) -> tuple[str, int]:
 
 
 def _read(pid: int, address: int, size: int) -> bytes:
+    """`size` bytes of process `pid` at `address`, or b"" if they cannot be read."""
     try:
         with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
             return os.pread(mem.fileno(), size, address)
@@ -284,12 +285,7 @@ def _on_stalkers_copy_of(pid: int, maps: _Maps, rip: int, address: int) -> bool:
     if row is None or not maps.path(address).startswith("/"):
         return False
     start = max(rip - NOTE_REACH, row[0])
-    try:
-        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            before = os.pread(mem.fileno(), rip - start, start)
-            there = os.pread(mem.fileno(), 2, address)
-    except OSError:
-        return False
+    before, there = _read(pid, start, rip - start), _read(pid, address, 2)
     low, high = (address & 0xFFFFFFFF).to_bytes(4, "little"), (address >> 32).to_bytes(4, "little")
     note = b"\xc7\x01" + low + b"\xc7\x41\x04" + high  # mov dword [rcx], ...; [rcx+4], ...
     return before.endswith(SYSCALL) and there == SYSCALL and note in before
@@ -303,9 +299,7 @@ def _stack_refers_to_frida(pid: int, maps: _Maps, rsp: int) -> bool:
     if row is None:
         return True
     size = min(row[1] - rsp, STACK_SCAN) & ~7
-    try:
-        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            data = os.pread(mem.fileno(), size, rsp)
-    except OSError:
+    data = _read(pid, rsp, size)
+    if not data:  # unreadable: taken for one that does
         return True
     return maps.frida_addresses(np.frombuffer(data[: len(data) & ~7], np.uint64))

@@ -1223,25 +1223,7 @@ class _ForkFollower:
             return
         self.parents[pid] = int(child.parent_pid)
         self.image[pid] = pid
-        session = agent = None
-        try:
-            session = self.device.attach(pid)
-            session.on("detached", lambda reason, crash: self._on_detached(pid, reason))
-            ring = self.rec.add_thread(pid, pid)
-            self.watch(session, pid)
-            agent = self.rec.load_agent(
-                session, pid, False, None, park=False, forked_from=self.parents[pid]
-            )
-            self._agents[session] = agent
-            _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)}, False)
-        except Exception as e:
-            why = str(e) or type(e).__name__
-            self.untraced[pid] = why
-            self.rec._error(f"forked child {pid} is not traced: {why}")
-        finally:
-            self.children[pid] = (session, agent)
-            with contextlib.suppress(Exception):
-                self.device.resume(pid)
+        self._take_up(pid, pid, f"forked child {pid}")
 
     def _trace_image(self, pid: int, child: Any) -> None:
         """Process `pid` called exec: one of ours, or a child one of ours made with
@@ -1260,30 +1242,44 @@ class _ForkFollower:
             self.spawned[key] = exe
         if old in self.parents:
             self.parents[key] = self.parents[old]
+        self._take_up(pid, key, f"{Path(exe).name} (pid {pid}, from its exec)", Path(exe))
+
+    def _take_up(self, pid: int, key: int, what: str, image: Path | None = None) -> None:
+        """Trace process `pid`, which Frida holds, under `key`, then let it run: a forked
+        child from where fork() returns in it, or (`image`: the program it exec'ed) a new
+        image from its start, as a spawned program.  A failure leaves it untraced, named
+        as `what` in a warning."""
+        before = set(_open_files(pid).values()) if image else None  # before Frida's own
         session = agent = None
         try:
-            before = set(_open_files(pid).values())
             session = self.device.attach(pid)
             session.on("detached", lambda reason, crash: self._on_detached(key, reason))
             ring = self.rec.add_thread(pid, key)
             self.watch(session, pid)
-            agent = self.rec.load_agent(
-                session,
-                pid,
-                True,
-                ring,
-                park=True,
-                init=init_offset(Path(exe)),
-                before=before,
-                key=key,
-            )
+            if image is None:
+                agent = self.rec.load_agent(
+                    session, pid, False, None, park=False, forked_from=self.parents[key]
+                )
+            else:
+                agent = self.rec.load_agent(
+                    session,
+                    pid,
+                    True,
+                    ring,
+                    park=True,
+                    init=init_offset(image),
+                    before=before,
+                    key=key,
+                )
             self._agents[session] = agent
-            # not started yet, so no fork() is under way (as for a spawned program)
-            _bounded(agent.script.exports_sync.fork_done_last)
+            if image is None:
+                _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)}, False)
+            else:  # not started yet, so no fork() is under way (as for a spawned program)
+                _bounded(agent.script.exports_sync.fork_done_last)
         except Exception as e:
             why = str(e) or type(e).__name__
             self.untraced[key] = why
-            self.rec._error(f"{Path(exe).name}, exec'ed by pid {pid}, is not traced: {why}")
+            self.rec._error(f"{what} is not traced: {why}")
         finally:
             self.children[key] = (session, agent)
             with contextlib.suppress(Exception):
