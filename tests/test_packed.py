@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from branchtrace.errors import StoreError
 from branchtrace.store import RecordType
 from branchtrace.store.format import BLOCK_ADDR_MASK, block_word, escape, payload_word
-from branchtrace.store.packed import DICT, DICTIONARY_PIECE, PIECE, append_packed, read_packed
+from branchtrace.store.packed import (
+    DICT,
+    DICTIONARY_PIECE,
+    PIECE,
+    append_packed,
+    packed_tail,
+    read_packed,
+)
 from branchtrace.store.records import count_records, expand_slots, parse_words
 
 # drains of words: some runs repeat (as loops do), some do not
@@ -45,6 +52,37 @@ def test_pieces_read_back_as_the_words_drained(tmp_path_factory, pieces, repeat)
     write(path, pieces)
     expected = np.concatenate(pieces) if pieces else np.zeros(0, dtype="<u8")
     assert np.array_equal(read_packed(path), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=drains, want=st.integers(0, 700), cut=st.integers(0, 40))
+def test_the_tail_of_a_packed_stream_is_its_last_pieces(tmp_path_factory, pieces, want, cut):
+    # how a thread ended is read from the tail alone: the last pieces that hold `want`
+    # words, decompressed, and nothing before them; a last piece cut short is not read
+    path = tmp_path_factory.mktemp("p") / "T1.stream.lz4"
+    ends = write(path, pieces)
+    whole = read_packed(path)
+    if ends and cut:
+        os.truncate(path, ends[-1] - min(cut, ends[-1] - (ends[-2] if len(ends) > 1 else 0)))
+        whole = read_packed(path)
+    tail, total = packed_tail(path, want)
+    assert total == whole.size
+    assert np.array_equal(tail, whole[whole.size - tail.size :])
+    assert tail.size >= min(want, whole.size)
+    starts = set(np.cumsum([0, *(raw // 8 for raw in read_pieces(path))]).tolist())
+    assert whole.size - tail.size in starts  # from a piece's start: whole records
+
+
+def read_pieces(path) -> list[int]:
+    """The raw sizes of the whole pieces in a packed stream file."""
+    blob, out, off = path.read_bytes(), [], 0
+    while off + PIECE.size <= len(blob):
+        raw, packed = PIECE.unpack_from(blob, off)
+        if off + PIECE.size + packed > len(blob):
+            break
+        out.append(raw)
+        off += PIECE.size + packed
+    return out
 
 
 def dictionary_piece(words: np.ndarray) -> bytes:

@@ -83,6 +83,10 @@ class RecordType(IntEnum):
     PROBE_HIT = 9  #: arg=probe id, a=time_ns, b=ip, more payload words = fetched values
     TIME = 10  #: a=time_ns, a clock reading for correlating rings
     GAP = 11  #: the thread ran untraced code here (arg=GapReason): no branch spans a gap
+    #: the thread took a fault: arg=signal, a=time_ns, b=ip of the instruction it had not
+    #: finished (0: not known); more payload: the faulting memory address (si_addr), the
+    #: access (FaultAccess) and the signal's si_code
+    FAULT = 12
     # metadata log only; payload words may be any bytes there
     MODULE_LOAD = 32  #: payload: pos, time_ns, base, size, build-id, path
     MODULE_UNLOAD = 33  #: payload: pos, time_ns, base
@@ -92,6 +96,15 @@ class RecordType(IntEnum):
 
 RING_TYPES = frozenset(t for t in RecordType if t < 32)
 META_TYPES = frozenset(t for t in RecordType if t >= 32)
+
+
+class FaultAccess(IntEnum):
+    """What a FAULT's instruction did to its memory address, when the CPU says."""
+
+    UNKNOWN = 0
+    READ = 1
+    WRITE = 2
+    EXECUTE = 3
 
 
 class BranchKind(IntEnum):
@@ -110,6 +123,9 @@ class BranchKind(IntEnum):
 class GapReason(IntEnum):
     FORK = 1  #: fork() runs untraced (Frida Stalker cannot follow a thread through it)
     SIGNAL = 2  #: a signal handler runs untraced (the kernel enters it outside Stalker)
+    #: a signal handler left by a jump (siglongjmp) instead of returning: the thread is
+    #: traced again from that jump, and no branch spans the gap
+    LEFT_HANDLER = 3
 
 
 class Mode(IntEnum):
@@ -156,6 +172,7 @@ HEADER_DTYPE = np.dtype(
             "lost_records", "lost_events", "writer_waits", "meta_head", "meta_lost",
             "inline_ptr", "inline_base", "table_offset", "table_size", "table_count",
             "table_spilled", "counted_records", "counted_gap_fork", "counted_gap_signal",
+            "counted_gap_left_handler",
         ],
         "formats": [
             "S8", "<u4", "<u4", "<u8", "<u8", "<u8",
@@ -166,6 +183,7 @@ HEADER_DTYPE = np.dtype(
             "<u8", "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8", "<u8",
+            "<u8",
         ],
         "offsets": [
             0, 8, 12, 16, 24, 32,
@@ -176,6 +194,7 @@ HEADER_DTYPE = np.dtype(
             _cacheline(256), 264, 272, 280, 288,
             _cacheline(320), 328, 336, 344, 352,
             360, 368, 376, 384,
+            392,
         ],
         "itemsize": HEADER_SIZE,
     }

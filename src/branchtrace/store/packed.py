@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import lz4.block
@@ -55,19 +56,60 @@ def append_packed(fd: int, data: memoryview) -> None:
         write_all(fd, PIECE.pack(len(raw), len(packed)) + packed)
 
 
-def read_packed(path: Path) -> np.ndarray:
-    """The words of a packed stream file, oldest first."""
-    blob = memoryview(path.read_bytes())  # slices of it are views, not copies
-    pieces: list[tuple[int, int, int]] = []  # (offset of the packed bytes, raw, packed)
+def _pieces(
+    path: Path, header_at: Callable[[int], bytes | memoryview], size: int
+) -> list[tuple[int, int, int]]:
+    """(offset of the packed bytes, raw, packed) of each whole piece of the packed stream
+    file of `size` bytes whose piece header at an offset `header_at` gives."""
+    pieces: list[tuple[int, int, int]] = []
     off = 0
-    while off + PIECE.size <= len(blob):
-        raw, packed = PIECE.unpack_from(blob, off)
+    while off + PIECE.size <= size:
+        raw, packed = PIECE.unpack(header_at(off))
         if (raw & ~DICTIONARY_PIECE) % 8 or raw & ~DICTIONARY_PIECE > MAX_PIECE:
             raise StoreError(f"{path}: not a packed stream (piece at byte {off} is corrupt)")
-        if off + PIECE.size + packed > len(blob):
+        if off + PIECE.size + packed > size:
             break  # cut short while being written: its words are still in the ring
         pieces.append((off + PIECE.size, raw, packed))
         off += PIECE.size + packed
+    return pieces
+
+
+def read_packed(path: Path) -> np.ndarray:
+    """The words of a packed stream file, oldest first."""
+    blob = memoryview(path.read_bytes())  # slices of it are views, not copies
+    pieces = _pieces(path, lambda off: blob[off : off + PIECE.size], len(blob))
+    return _unpack(path, blob, pieces)
+
+
+def packed_tail(path: Path, words: int) -> tuple[np.ndarray, int]:
+    """At least the last `words` words of a packed stream file (all, if it has fewer),
+    decompressing only the pieces they are in; and how many words the file holds."""
+    with path.open("rb") as f:
+
+        def header_at(off: int) -> bytes:
+            f.seek(off)
+            return f.read(PIECE.size)
+
+        pieces = _pieces(path, header_at, os.fstat(f.fileno()).st_size)
+        total = sum(raw & ~DICTIONARY_PIECE for _, raw, _ in pieces) // 8
+        first = len(pieces)
+        have = 0
+        while first > 0 and have < words:
+            first -= 1
+            have += (pieces[first][1] & ~DICTIONARY_PIECE) // 8
+        if first == len(pieces):
+            return np.empty(0, dtype="<u8"), total
+        begin, (last, _, last_packed) = pieces[first][0], pieces[-1]
+        f.seek(begin)
+        blob = memoryview(f.read(last + last_packed - begin))
+    tail = [(start - begin, raw, packed) for start, raw, packed in pieces[first:]]
+    return _unpack(path, blob, tail, begin), total
+
+
+def _unpack(
+    path: Path, blob: memoryview, pieces: list[tuple[int, int, int]], origin: int = 0
+) -> np.ndarray:
+    """The words of `pieces`, whose offsets are into `blob`, which is the file from `origin`."""
     words = np.empty(sum(raw & ~DICTIONARY_PIECE for _, raw, _ in pieces) // 8, dtype="<u8")
     at = 0
     for start, raw, packed in pieces:
@@ -80,7 +122,7 @@ def read_packed(path: Path) -> np.ndarray:
                 piece = np.frombuffer(chunk, dtype="<u8")
         except (lz4.block.LZ4BlockError, ValueError, IndexError) as e:
             raise StoreError(
-                f"{path}: piece at byte {start - PIECE.size} is corrupt ({e})"
+                f"{path}: piece at byte {origin + start - PIECE.size} is corrupt ({e})"
             ) from None
         words[at : at + piece.size] = piece
         at += piece.size

@@ -45,6 +45,7 @@ _ADDRESS_B = np.array(
             RecordType.SWITCH_IN,
             RecordType.PROBE_HIT,
             RecordType.THREAD_EXIT,
+            RecordType.FAULT,
         )
         for t in range(128)
     ],

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import StoreError
-from .format import HEADER_SIZE
+from .format import HEADER_SIZE, MAX_RING_PAYLOAD
 from .packed import SUFFIX as PACKED
-from .packed import append_packed, read_packed, write_all
+from .packed import append_packed, packed_tail, read_packed, write_all
 from .records import count_records
 from .ring import Ring, RingReader, recovered_head
 
@@ -148,6 +148,33 @@ class TraceDir:
             # of one, which the ring still holds whole.
             return np.memmap(raw, dtype="<u8", mode="r", shape=(words,))
         return None
+
+    def tail_words(self, tid: int, count: int) -> np.ndarray:
+        """The end of the thread's words as `words()` gives them, about the last `count`
+        from a record boundary, without reading the rest of a stream: how it ended."""
+        drained = None
+        total = 0
+        packed = self.stream_path(tid, packed=True)
+        if packed.exists():
+            drained, total = packed_tail(packed, count)
+        else:
+            whole = self._drained(tid)
+            if whole is not None:
+                drained, total = _from_a_record(whole[-count - MAX_RING_PAYLOAD :]), whole.size
+        if not self.ring_path(tid).exists():
+            return np.zeros(0, dtype="<u8") if drained is None else drained
+        with Ring.open(self.ring_path(tid)) as ring:
+            rest, pos = RingReader(ring).read_words()
+            parts = []
+            if drained is not None and drained.size:
+                overlap = (total * 8 - pos) // 8
+                if 0 <= overlap <= rest.size:
+                    rest = rest[overlap:]
+                if rest.size < count:
+                    parts.append(drained)
+            if rest.size or not parts:
+                parts.append(rest)
+            return ring.expand(parts)[-count:]
 
     def _after_drained(
         self, tid: int, drained: np.ndarray, rest: np.ndarray, pos: int
@@ -297,6 +324,15 @@ class TraceDir:
             if rest.size or not parts:
                 parts.append(rest)
             return ring.expand(parts), pos  # one copy of the words, not two
+
+
+def _from_a_record(words: np.ndarray) -> np.ndarray:
+    """`words`, the end of a stream, from the first word known to start a record: its
+    first escape header, or else the first word no payload can reach."""
+    headers = np.flatnonzero(words >> np.uint64(63))
+    if headers.size:
+        return np.asarray(words[int(headers[0]) :])
+    return np.asarray(words[MAX_RING_PAYLOAD:])
 
 
 def _is_ours(name: str) -> bool:
