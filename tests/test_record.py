@@ -21,7 +21,7 @@ import pytest
 
 import branchtrace
 from branchtrace.store import BranchKind, Mode, RecordType, Ring, parse_words
-from branchtrace.store.format import BLOCK_ADDR_MASK, WriterState
+from branchtrace.store.format import BLOCK_ADDR_MASK, FaultAccess, GapReason, WriterState
 from branchtrace.store.tracedir import (
     GENERATION,
     TraceDir,
@@ -47,6 +47,45 @@ def record(out: Path, *args: str, mode: str = "stream", **kw) -> subprocess.Comp
 def modules(trace: TraceDir, tid: int) -> ModuleMap:
     loads = trace.modules(trace.thread_pid(tid))
     return ModuleMap([(m.base, m.size, m.path) for m in loads if m.event == "load"])
+
+
+def instruction_in(mods: ModuleMap, module: str, function: str, text: str) -> int:
+    """Where the first instruction of `function` that capstone spells starting with `text`
+    was loaded."""
+    from capstone import CS_ARCH_X86, CS_MODE_64, Cs
+
+    start = mods.runtime_address(module, function)
+    assert start is not None, f"{function} not found in {module}"
+    i = int(mods.index(np.array([start], np.uint64))[0])
+    image = mods.image(i)
+    assert image is not None
+    code = image.read(mods.file_address(i, start), 256)
+    for insn in Cs(CS_ARCH_X86, CS_MODE_64).disasm(code, start):
+        if f"{insn.mnemonic} {insn.op_str}".startswith(text):
+            return int(insn.address)
+    raise AssertionError(f"no {text!r} in {function}")
+
+
+def assert_it_ends_at_the_store_in_boom(trace: TraceDir, tid: int) -> None:
+    """crash's trace ends with boom's block, then the FAULT of its store through NULL."""
+    mods = modules(trace, tid)
+    *_, block, fault = parse_words(*trace.words(tid))
+    assert block["type"] == RecordType.BLOCK and block["a"] == mods.runtime_address("crash", "boom")
+    store = instruction_in(mods, "crash", "boom", "mov dword ptr [rax], 0x2a")
+    assert fault["type"] == RecordType.FAULT and fault["arg"] == signal.SIGSEGV
+    assert fault["b"] == store
+
+
+def assert_it_faulted_in(trace: TraceDir, tid: int, function: str) -> None:
+    """The thread's trace ends with a block of `function`, then a SIGSEGV in that block."""
+    *_, block, fault = parse_words(*trace.words(tid))
+    opened = branchtrace.open(trace.path)
+    where = opened.modules(tid).symbolize(np.array([block["a"], fault["b"]], np.uint64))
+    assert block["type"] == RecordType.BLOCK and where[0].startswith(f"{function}+"), where
+    assert fault["type"] == RecordType.FAULT and fault["arg"] == signal.SIGSEGV
+    assert block["a"] <= fault["b"] <= block["b"] and where[1].startswith(f"{function}+")
+    end = opened.end(tid)
+    assert end is not None and (end.call, end.address) == ("fault", fault["b"])
 
 
 def warnings_in(stderr: str) -> list[str]:
@@ -277,14 +316,136 @@ def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode, tic
     trace = TraceDir.open(tmp_path / "d")
     assert trace.meta()["signal"] == signal.SIGSEGV
     (tid,) = trace.threads()
-    words, pos = trace.words(tid)
-    last = parse_words(words, pos)[-1]
-    boom = modules(trace, tid).runtime_address("crash", "boom")
-    assert last["type"] == RecordType.BLOCK and last["a"] == boom  # boom's only block
+    # boom's only block, and in it the store that faulted, named in the summary
+    assert_it_ends_at_the_store_in_boom(trace, tid)
+    assert re.search(
+        r"crashed at boom\+0x[0-9a-f]+ \(crash.c:4\): SIGSEGV, a write to address 0x0", res.stderr
+    )
     assert calls_to(trace, tid, programs["crash"], "boom") == 1
     if mode == "stream":
         assert calls_to(trace, tid, programs["crash"], "tick") == ticks
     assert_counts_are_the_records(trace)
+
+
+#: faults.c's modes: the signal, the function that faults, its instruction that does (the
+#: start of capstone's text), and what that instruction did to its memory
+FAULTS = {
+    "segv": (signal.SIGSEGV, "poke", "mov dword ptr [rax], 0x2a", FaultAccess.WRITE),
+    "bus": (signal.SIGBUS, "peek", "movzx eax, byte ptr [rax]", FaultAccess.READ),
+    "fpe": (signal.SIGFPE, "divide", "idiv ", FaultAccess.UNKNOWN),
+    "ill": (signal.SIGILL, "trap", "ud2", FaultAccess.UNKNOWN),
+}
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+@pytest.mark.parametrize("mode", sorted(FAULTS))
+def test_a_fault_ends_the_trace_at_the_instruction_that_faulted(tmp_path, programs, engine, mode):
+    # Stalker runs a copy of the code, where the fault's pc is: the agent maps it back to
+    # the program's instruction, which the step engine sees itself
+    signum, function, insn, access = FAULTS[mode]
+    res = record(tmp_path / "d", "--engine", engine, "--", str(programs["faults"]), mode)
+    assert res.returncode == 128 + signum, res.stderr
+    trace = branchtrace.open(tmp_path / "d")
+    tid = trace.meta["pid"]
+    mods = trace.modules(tid)
+    end = trace.end(tid)
+    assert end is not None and (end.call, end.signal, end.access) == ("fault", signum, access)
+    assert end.address == end.last == instruction_in(mods, "faults", function, insn)
+    blocks = trace.blocks(tid)
+    last = int(blocks.ids[-1])
+    assert blocks.start[last] <= end.address <= blocks.last[last]
+    if mode == "segv":
+        assert end.fault_address == 0  # NULL
+    elif mode == "bus":
+        assert end.fault_address and end.fault_address % 4096 == 0  # the page past the file
+    else:
+        assert end.fault_address is None
+    name = signal.Signals(signum).name
+    where = rf"the program crashed at {function}\+0x[0-9a-f]+ \(faults.c:\d+\): {name}"
+    assert re.search(where, res.stderr), res.stderr
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_abort_ends_the_trace_at_the_system_call_that_raised_sigabrt(tmp_path, programs, engine):
+    res = record(tmp_path / "d", "--engine", engine, "--", str(programs["faults"]), "abort")
+    assert res.returncode == 128 + signal.SIGABRT, res.stderr
+    trace = branchtrace.open(tmp_path / "d")
+    tid = trace.meta["pid"]
+    end = trace.end(tid)
+    assert end is not None and (end.call, end.signal) == ("fault", signal.SIGABRT)
+    mods = trace.modules(tid)
+    i = int(mods.index(np.array([end.last], np.uint64))[0])
+    image = mods.image(i)
+    assert image is not None and image.read(mods.file_address(i, end.last), 2) == b"\x0f\x05"
+    assert end.address == end.last + 2  # where the thread was when the signal came
+    # the program dies of the first raise(), as it does untraced: Frida's handler used to
+    # let abort() go on to set the default action itself and raise again
+    counts = trace.calls(tid).call_counts()
+    assert [counts.get(f) for f in ("give_up", "abort", "raise", "pthread_kill")] == [1] * 4
+    assert "the program aborted at " in res.stderr
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_faults_a_handler_recovers_from_are_in_the_trace_and_the_program_runs_on(
+    tmp_path, programs, engine
+):
+    res = record(tmp_path / "d", "--engine", engine, "--", str(programs["faults"]), "recover")
+    assert res.returncode == 0 and res.stdout == "recovered 3\n", res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    records = parse_words(*trace.words(tid))
+    faults = records[records["type"] == RecordType.FAULT]
+    store = instruction_in(modules(trace, tid), "faults", "poke", "mov dword ptr [rax], 0x2a")
+    assert faults["b"].tolist() == [store] * 3 and set(faults["arg"]) == {signal.SIGSEGV}
+    # the handler runs outside Stalker and leaves by siglongjmp: the thread ran on untraced
+    # after the first one (1 call of poke recorded) until it was followed again from there
+    assert calls_to(trace, tid, programs["faults"], "poke") == 3
+    if engine == "stalker":
+        assert "3 left by a jump (siglongjmp), traced again from it" in res.stderr
+        gaps = records[records["type"] == RecordType.GAP]["arg"].tolist()
+        assert gaps == [GapReason.SIGNAL, GapReason.LEFT_HANDLER] * 3
+    end = branchtrace.open(trace.path).end(tid)
+    assert end is not None and (end.call, end.status) == ("exit_group", 0)
+
+
+@pytest.mark.parametrize(
+    "mode,signum", [("int3", signal.SIGTRAP), ("raise", signal.SIGSEGV), ("abort", signal.SIGABRT)]
+)
+def test_a_signal_that_kills_the_program_untraced_kills_it_traced(tmp_path, programs, mode, signum):
+    # Frida's exception handler gives a signal back to its default action when the program
+    # has none of its own, and returns: a breakpoint or a signal sent was lost (the program
+    # ran on and returned 1), and abort() went on to raise SIGABRT a second time
+    faults = str(programs["faults"])
+    assert subprocess.run([faults, mode], capture_output=True).returncode == -signum
+    res = record(tmp_path / "d", "--", faults, mode)
+    assert res.returncode == 128 + signum, res.stderr
+    assert f"killed by {signal.Signals(signum).name}" in res.stderr
+
+
+@pytest.mark.parametrize("follow_fork", [False, True])
+def test_a_forked_child_dies_of_its_own_fault_signal(tmp_path, programs, follow_fork):
+    # the child gets the parent's signal handlers, among them the agent's, which Frida
+    # frees in a child it does not trace: the agent gives them back in the child at once
+    flags = ["--follow-fork"] if follow_fork else []
+    faults = str(programs["faults"])
+    res = record(tmp_path / "d", *flags, "--", faults, "abort", "child")
+    assert res.returncode == 0 and res.stdout == "child: signal 6\n", res.stderr
+    if follow_fork:
+        trace = branchtrace.open(tmp_path / "d")
+        (child,) = [t for t in trace.threads if trace.pid_of(t) != trace.meta["pid"]]
+        end = trace.end(child)
+        assert end is not None and (end.call, end.signal) == ("fault", signal.SIGABRT)
+
+
+def test_after_a_recording_the_program_faults_as_it_does_untraced(tmp_path, programs):
+    # the agent's fault handler goes as the recording ends: a SIGABRT after it is the
+    # program's (the handler's code freed with the agent would be a SIGSEGV)
+    with attach_target(programs["faults"], "abort", "wait", stdin=subprocess.PIPE) as target:
+        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.5")
+        assert res.returncode == 0, res.stderr
+        target.stdin.write("go\n")
+        target.stdin.close()
+        assert target.wait(timeout=30) == -signal.SIGABRT
 
 
 def indirect_calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
@@ -351,11 +512,7 @@ def test_a_crash_in_a_constructor_or_an_atexit_handler_is_traced_to_the_faulting
     for function in ("handler", "teardown"):
         assert indirect_calls_to(trace, tid, lifecycle, function) == (function in handlers)
     assert calls_to(trace, tid, lifecycle, "step") == steps  # the last one faults
-    words, pos = trace.words(tid)
-    last = parse_words(words, pos)[-1]
-    assert last["type"] == RecordType.BLOCK
-    (where,) = branchtrace.open(trace.path).modules(tid).symbolize(np.array([last["a"]]))
-    assert where.startswith("step+"), where
+    assert_it_faulted_in(trace, tid, "step")
     assert_counts_are_the_records(trace)
 
 
@@ -401,10 +558,7 @@ def test_a_crash_in_a_key_destructor_is_traced_to_the_faulting_function(tmp_path
     (worker,) = [t for t in trace.threads() if t != trace.meta()["pid"]]
     assert indirect_calls_to(trace, worker, threadend, "on_key_end") == 1
     assert calls_to(trace, worker, threadend, "step") == 5  # the last one faults
-    words, pos = trace.words(worker)
-    last = parse_words(words, pos)[-1]
-    (where,) = branchtrace.open(trace.path).modules(worker).symbolize(np.array([last["a"]]))
-    assert last["type"] == RecordType.BLOCK and where.startswith("step+"), where
+    assert_it_faulted_in(trace, worker, "step")
     with Ring.open(trace.ring_path(worker)) as ring:
         assert ring.writer_state != WriterState.CLOSED
     assert_counts_are_the_records(trace)
@@ -1809,9 +1963,7 @@ def test_an_attached_program_that_crashes_is_reported_with_its_signal(tmp_path, 
     trace = TraceDir.open(tmp_path / "d")
     assert trace.meta()["signal"] == signal.SIGSEGV
     (tid,) = trace.threads()
-    words, pos = trace.words(tid)
-    boom = modules(trace, tid).runtime_address("crash", "boom")
-    assert parse_words(words, pos)[-1]["a"] == boom  # up to the faulting function
+    assert_it_ends_at_the_store_in_boom(trace, tid)
     assert calls_to(trace, tid, crash, "boom") == 1
     assert calls_to(trace, tid, crash, "tick") == ticks  # all of them, from the attach on
 

@@ -62,24 +62,38 @@ def test_show_gives_the_tail_newest_first_with_symbols_and_lines(crash_trace):
     assert text.returncode == 0 and "boom crash.c:4" in text.stdout
 
 
-def test_insns_end_at_the_faulting_store_in_boom(tmp_path, crash_trace, programs):
-    # the step engine knows the faulting instruction exactly
-    exact = recorded(tmp_path, programs["crash"], engine="step")
-    rows = jsonl(bt("insns", exact, "-n", "12", "--json"))
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_views_end_a_crash_at_the_faulting_store_in_boom(tmp_path, crash_trace, programs, engine):
+    # both engines name the instruction that faulted: Stalker's agent from the fault's pc in
+    # its copy of the code, the step engine from its stop
+    trace = crash_trace
+    if engine == "step":
+        trace = recorded(tmp_path, programs["crash"], engine="step")
+    *rows, end = jsonl(bt("insns", trace, "-n", "12", "--json"))
     assert len(rows) == 12
     last = rows[-1]
     assert last["sym"].startswith("boom+") and last["line"] == "crash.c:4"
-    assert last["insn"] == "mov dword ptr [rax], 0x2a" and not last["crash_block"]
-    # Stalker records a block when it starts: the fault is somewhere in the last one, and
-    # the view says so instead of pretending the block ran to its end
-    rows = jsonl(bt("insns", crash_trace, "-n", "12", "--json"))
-    in_block = [r for r in rows if r["crash_block"]]
-    assert in_block and all(r["sym"].startswith("boom") for r in in_block)
-    assert "mov dword ptr [rax], 0x2a" in [r["insn"] for r in in_block]
-    text = bt("insns", crash_trace, "-n", "12").stdout.splitlines()
-    assert text.count("-- the program crashed (SIGSEGV) within this block:") == 1
-    marker = text.index("-- the program crashed (SIGSEGV) within this block:")
-    assert next(line for line in text[marker + 1 :] if line.startswith("  0x")).split()[1] == "boom"
+    assert last["insn"] == "mov dword ptr [rax], 0x2a"
+    assert not any(r["stopped_within_block"] or r["crash_block"] for r in rows)
+    assert end == {
+        "tid": last["tid"],
+        "thread": last["thread"],
+        "end": "fault",
+        "status": None,
+        "address": last["address"],
+        "text": "the program crashed here: SIGSEGV, a write to address 0x0",
+        "signal": "SIGSEGV",
+        "fault_address": 0,
+        "access": "write",
+    }
+    text = bt("insns", trace, "-n", "12").stdout.splitlines()
+    assert text[-1] == "-- the program crashed here: SIGSEGV, a write to address 0x0"
+    assert text[-2].split()[1:] == [last["sym"], "mov", "dword", "ptr", "[rax],", "0x2a"]
+    assert not [line for line in text if "within this block" in line]
+    shown = bt("show", trace, "-n", "1").stdout.splitlines()
+    assert f"[the program crashed at {last['sym']}: SIGSEGV, a write to address 0x0]" in shown[2]
+    calls = bt("calls", trace).stdout.splitlines()
+    assert calls[-1].strip() == "-- the program crashed here: SIGSEGV, a write to address 0x0"
 
 
 @pytest.mark.parametrize("engine", ["stalker", "step"])

@@ -3,10 +3,19 @@ one (the step engine while stepping, the decoder afterwards): one definition."""
 
 from __future__ import annotations
 
-from capstone import CS_ARCH_X86, CS_GRP_CALL, CS_GRP_INT, CS_GRP_JUMP, CS_GRP_RET, CS_MODE_64, Cs
+from capstone import (
+    CS_AC_WRITE,
+    CS_ARCH_X86,
+    CS_GRP_CALL,
+    CS_GRP_INT,
+    CS_GRP_JUMP,
+    CS_GRP_RET,
+    CS_MODE_64,
+    Cs,
+)
 from capstone import x86 as cx86
 
-from .store.format import BranchKind
+from .store.format import BranchKind, FaultAccess
 
 #: the last instruction is not a branch (a block split); UNKNOWN: its code was not readable
 NOT_A_BRANCH = 0
@@ -34,3 +43,15 @@ def classify(code: bytes, address: int) -> tuple[int, int]:
     if insn.id in (cx86.X86_INS_SYSCALL, cx86.X86_INS_SYSENTER) or insn.group(CS_GRP_INT):
         return BranchKind.SYSCALL, insn.size
     return NOT_A_BRANCH, insn.size
+
+
+def memory_access(code: bytes, address: int) -> FaultAccess:
+    """What the instruction at `address` does to memory through an operand: WRITE if it
+    writes any, READ if it only reads; UNKNOWN without a memory operand (a push's stack)."""
+    insn = next(_cs.disasm(code, address, 1), None)
+    if insn is None:
+        return FaultAccess.UNKNOWN
+    memory = [op for op in insn.operands if op.type == cx86.X86_OP_MEM]
+    if any(op.access & CS_AC_WRITE for op in memory):
+        return FaultAccess.WRITE
+    return FaultAccess.READ if memory else FaultAccess.UNKNOWN

@@ -11,6 +11,7 @@ from .trace import (
     Trace,
     describe_break,
     open,
+    signal_name,
 )
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "describe_break",
     "open",
     "scan",
+    "signal_name",
     "thread_records",
     "with_switches",
 ]

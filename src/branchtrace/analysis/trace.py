@@ -19,10 +19,12 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..store.format import (
+    ARG_MASK,
     LEN_MASK,
     LEN_SHIFT,
     TYPE_MASK,
     TYPE_SHIFT,
+    FaultAccess,
     GapReason,
     RecordType,
     unpayload,
@@ -59,6 +61,8 @@ def describe_break(row: np.void) -> str:
     """One line for a break of the chain (a BREAK_DTYPE row), as the views print it."""
     if int(row["untraced"]) == GapReason.FORK:
         return "fork() ran here, untraced"
+    if int(row["untraced"]) == GapReason.LEFT_HANDLER:
+        return "a signal handler ran here, untraced, and jumped out (siglongjmp)"
     if int(row["untraced"]):
         return f"untraced code ran here (gap reason {int(row['untraced'])})"
     lost = int(row["lost"])
@@ -68,35 +72,77 @@ def describe_break(row: np.void) -> str:
 #: system call numbers that end a thread (THREAD_EXIT's `number`)
 _EXIT_CALLS = {60: "exit", 231: "exit_group", 59: "execve", 322: "execveat"}
 EXEC_CALLS = ("execve", "execveat")
+_ENDS = (RecordType.THREAD_EXIT, RecordType.FAULT)
+_END_WORDS = 128  #: the end record, and at most a LOST or GAP record after it
+_SIGABRT = 6
+_SI_KERNEL = 0x80
 
 
 @dataclass(frozen=True)
 class ThreadEnd:
-    """How a thread's trace ends, when the thread ended itself: a THREAD_EXIT record."""
+    """How a thread's trace ends, when its last record says: it ended itself (THREAD_EXIT)
+    or took a fault (FAULT) and ran nothing traced after it."""
 
     time_ns: int
-    address: int  #: the system call instruction; 0: not known
-    status: int | None  #: exit's argument; None for an exec
-    #: "exit" (the thread ends), "exit_group" (the whole process does), or "execve" /
-    #: "execveat" (the process's program image does)
+    #: the system call instruction; for a fault, the instruction that faulted (after
+    #: abort(), the one after the system call that raised SIGABRT); 0: not known
+    address: int
+    status: int | None  #: exit's argument; None for an exec or a fault
+    #: "exit" (the thread ends), "exit_group" (the whole process does), "execve" /
+    #: "execveat" (the process's program image does), or "fault"
     call: str
+    signal: int | None = None  #: a fault's signal
+    fault_address: int | None = None  #: the memory a SIGSEGV's or SIGBUS's access tried
+    access: FaultAccess = FaultAccess.UNKNOWN
+
+    @property
+    def last(self) -> int:
+        """The last instruction the thread ran or tried (0: not known)."""
+        if self.signal == _SIGABRT and self.address:
+            return self.address - 2  # the `syscall` that raised it
+        return self.address
 
     def describe(self, where: str = "here") -> str:
+        if self.call == "fault":
+            return self._describe_fault(where)
         if self.call in EXEC_CALLS:
             return f"the process exec'ed a new program {where}: {self.call}()"
         whom = "the process" if self.call == "exit_group" else "the thread"
         return f"{whom} ended {where}: {self.call}({self.status})"
 
+    def _describe_fault(self, where: str) -> str:
+        name = signal_name(self.signal or 0)
+        if self.signal == _SIGABRT:
+            return f"the program aborted {where}: the system call raised {name}"
+        if self.fault_address is None:
+            return f"the program crashed {where}: {name}"
+        access = {
+            FaultAccess.READ: "a read of",
+            FaultAccess.WRITE: "a write to",
+            FaultAccess.EXECUTE: "a jump to",
+        }.get(self.access, "an access to")
+        return f"the program crashed {where}: {name}, {access} address {self.fault_address:#x}"
+
+
+def signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
 
 def thread_end(words: np.ndarray) -> ThreadEnd | None:
-    """The THREAD_EXIT record that ends a thread's records, if any.  A thread's end is the
-    last thing it writes (then, at most, a LOST record), and a word with bit 63 set is
-    always a record header, so the tail alone is enough.  One followed by blocks is not
-    an end (an exec that failed)."""
-    tail = np.ascontiguousarray(words[-128:], np.uint64)
+    """The THREAD_EXIT or FAULT record that ends a thread's records, if any.  A thread's
+    end is the last thing it writes (then, at most, a LOST or GAP record), and a word with
+    bit 63 set is always a record header, so the tail alone is enough.  One followed by
+    blocks is not an end (an exec that failed, a fault the program's handler recovered
+    from)."""
+    tail = np.ascontiguousarray(words[-_END_WORDS:], np.uint64)
     rtype = (tail >> np.uint64(TYPE_SHIFT)) & np.uint64(TYPE_MASK)
     is_header = (tail >> np.uint64(63)).astype(bool)
-    headers = np.flatnonzero(is_header & (rtype == RecordType.THREAD_EXIT))
+    headers = np.flatnonzero(is_header & np.isin(rtype, _ENDS))
     if headers.size == 0:
         return None
     i = int(headers[-1])
@@ -104,8 +150,23 @@ def thread_end(words: np.ndarray) -> ThreadEnd | None:
     after = tail[i + 1 + n :]
     if np.any(~(after >> np.uint64(63)).astype(bool) & (after != 0) & ~_payloads(after)):
         return None
-    payload = [int(w) for w in tail[i + 1 : i + 1 + n]] + [0] * 4
-    address = int(unpayload(np.array(payload[1:2], np.uint64))[0])
+    payload = [int(w) for w in tail[i + 1 : i + 1 + n]] + [0] * 5
+    address, fault_address = (int(a) for a in unpayload(np.array(payload[1:3], np.uint64)))
+    if int(rtype[i]) == RecordType.FAULT:
+        signum = int(tail[i] & np.uint64(ARG_MASK))
+        # si_addr is the memory of a SIGSEGV's or SIGBUS's access: not of one the CPU
+        # refused outright (SI_KERNEL: a general protection fault, a non-canonical address)
+        code = int(np.uint32(payload[4] & 0xFFFFFFFF).view(np.int32))
+        memory = signum in (7, 11) and code != _SI_KERNEL
+        return ThreadEnd(
+            payload[0],
+            address,
+            None,
+            "fault",
+            signum,
+            fault_address if memory else None,
+            FaultAccess(payload[3] if payload[3] <= FaultAccess.EXECUTE else 0),
+        )
     call = _EXIT_CALLS.get(payload[3], f"system call {payload[3]}")
     status = int(np.uint32(payload[2] & 0xFFFFFFFF).view(np.int32))  # exit() takes an int
     return ThreadEnd(payload[0], address, None if call in EXEC_CALLS else status, call)
@@ -194,14 +255,15 @@ class Trace:
             self._check_tid(tid)
             words = self.words(tid)
             self._blocks[tid] = scan(words, self.modules(tid))
-            self._ends[tid] = thread_end(words)
         return self._blocks[tid]
 
     def end(self, tid: int) -> ThreadEnd | None:
         """Where the thread ended itself (exit, exit_group, or an exec that replaced its
         program), if its trace says so; None for a thread that was killed, crashed with the
         process, or was still running when the recording stopped."""
-        self.blocks(tid)
+        if tid not in self._ends:
+            self._check_tid(tid)
+            self._ends[tid] = thread_end(self.dir.tail_words(tid, _END_WORDS))
         return self._ends[tid]
 
     def breaks(self, tid: int) -> np.ndarray:

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import click
+import numpy as np
 from rich.console import Console
 
 from ..engines import RecordOptions, RecordResult, Target
@@ -75,6 +76,33 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
         + f" -> {result.output}",
         markup=False,
     )
+    if result.signal:
+        crash = _crash_site(result)
+        if crash:
+            err.print(f"branchtrace: {crash}", markup=False)
+
+
+def _crash_site(result: RecordResult) -> str | None:
+    """Where the program faulted, when a thread's trace ends at a fault: the instruction,
+    its source line and what it did, and the view that shows the way there."""
+    from ..analysis import Trace
+    from ..errors import BranchtraceError
+
+    try:
+        trace = Trace(result.output)
+        for tid in trace.threads:
+            end = trace.end(tid) if trace.pid_of(tid) == result.pid else None
+            if end is None or end.call != "fault" or not end.last:
+                continue
+            modules = trace.modules(tid)
+            at = np.array([end.last], np.uint64)
+            place = modules.symbolize(at)[0]
+            line = modules.source_lines(at)[0]
+            where = f"at {place}" + (f" ({line})" if line else "")
+            return f"{end.describe(where)}; `branchtrace insns {result.output}` shows how"
+    except (BranchtraceError, OSError):
+        return None  # the summary stands without it; the views say why
+    return None
 
 
 def _triggers(

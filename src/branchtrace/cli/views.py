@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from ..analysis import CallHistory, ThreadEnd, Trace, describe_break
+from ..analysis import CallHistory, ThreadEnd, Trace, describe_break, signal_name
 from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL, within_calls
 from ..analysis.trace import HOW_NAMES
 from ..errors import UsageError
@@ -225,8 +225,8 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
         _heading(trace, t, f"the last {len(tail)} branches, newest first")
         rows: list[tuple[str, ...] | str] = []
         if end is not None:
-            at = modules.symbolize(np.array([end.address], np.uint64))[0]
-            rows.append(f"[{end.describe(f'at {at}' if end.address else 'after these')}]")
+            at = modules.symbolize(np.array([end.last], np.uint64))[0]
+            rows.append(f"[{end.describe(f'at {at}' if end.last else 'after these')}]")
         kinds = [_kind_name(k) for k in tail["kind"].tolist()]
         for i in range(tail.size + 1):
             rows += [f"[{describe_break(brk)}]" for brk in breaks_above.get(i, ())]
@@ -360,8 +360,8 @@ def _newest_instructions(
             break
         u = int(blocks.ids[b])
         start, last = int(blocks.start[u]), int(blocks.last[u])
-        if end is not None and b == blocks.ids.size - 1 and start <= end.address <= last:
-            last = end.address
+        if end is not None and b == blocks.ids.size - 1 and start <= end.last <= last:
+            last = end.last
         m = int(modules.index(np.array([start], dtype=np.uint64))[0])
         image = modules.image(m) if m >= 0 else None
         code = image.read(modules.file_address(m, start), last - start + 16) if image else b""
@@ -446,16 +446,21 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
 
 
 def _end_json(t: int, end: ThreadEnd) -> str:
-    return json.dumps(
-        {
-            "tid": thread_id(t),
-            "thread": thread_label(t),
-            "end": end.call,
-            "status": end.status,
-            "address": end.address,
-            "text": end.describe(),
+    row = {
+        "tid": thread_id(t),
+        "thread": thread_label(t),
+        "end": end.call,
+        "status": end.status,
+        "address": end.address,
+        "text": end.describe(),
+    }
+    if end.call == "fault":
+        row |= {
+            "signal": signal_name(end.signal or 0),
+            "fault_address": end.fault_address,
+            "access": end.access.name.lower(),
         }
-    )
+    return json.dumps(row)
 
 
 #: signals a program dies of when it faults (rather than being killed from outside)
@@ -488,21 +493,12 @@ def _killed_within_last_block(trace: Trace, tid: int) -> str | None:
         if ending.get("exit_code") is None:
             return None
         return "the process ended while this thread was within this block"
-    name = _signal_name(int(signum))
+    name = signal_name(int(signum))
     pid = trace.pid_of(tid)
     alone = sum(trace.pid_of(other) == pid for other in trace.threads) == 1
     if alone and int(signum) in _FAULTS:
         return f"the program crashed ({name}) within this block"
     return f"the process was killed by {name} while this thread was within this block"
-
-
-def _signal_name(number: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 # -- stats -----------------------------------------------------------------------------------

@@ -61,11 +61,22 @@ def setregs(tid: int, regs: Regs) -> None:
     call(PTRACE_SETREGS, tid, 0, ctypes.addressof(regs))
 
 
-def trap_code(tid: int) -> int:
-    """si_code of the SIGTRAP the thread is stopped with."""
+def siginfo(tid: int) -> tuple[int, int, int]:
+    """(si_code, si_pid, si_addr) of the signal the thread is stopped with: si_pid is
+    meaningful for a signal a process sent, si_addr for a fault."""
     info = ctypes.create_string_buffer(128)
     call(PTRACE_GETSIGINFO, tid, 0, ctypes.addressof(info))
-    return int.from_bytes(info.raw[8:12], "little", signed=True)
+    raw = info.raw
+    return (
+        int.from_bytes(raw[8:12], "little", signed=True),
+        int.from_bytes(raw[16:20], "little", signed=True),
+        int.from_bytes(raw[16:24], "little"),
+    )
+
+
+def trap_code(tid: int) -> int:
+    """si_code of the SIGTRAP the thread is stopped with."""
+    return siginfo(tid)[0]
 
 
 def tgkill(pid: int, tid: int, sig: int) -> int:

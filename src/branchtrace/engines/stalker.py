@@ -556,7 +556,11 @@ _REUSED_ID = (
 _NOTES_FILE = ".agent-notes."
 
 #: the ring header's count of GAP records, by reason, that the agent keeps
-_COUNTED_GAPS = {GapReason.FORK: "counted_gap_fork", GapReason.SIGNAL: "counted_gap_signal"}
+_COUNTED_GAPS = {
+    GapReason.FORK: "counted_gap_fork",
+    GapReason.SIGNAL: "counted_gap_signal",
+    GapReason.LEFT_HANDLER: "counted_gap_left_handler",
+}
 
 
 def _agent_counts(ring: Ring) -> tuple[int, dict[int, int]]:
@@ -1585,9 +1589,11 @@ class StalkerEngine:
             for reason, n in stats.gaps.items():
                 untraced[reason] = untraced.get(reason, 0) + n
         if untraced.get("signal"):
+            left = untraced.get("left_handler", 0)
             result.warnings.append(
                 f"signal handlers ran {untraced['signal']} times untraced (Stalker does not "
                 "follow them); GAP records mark where"
+                + (f"; {left} left by a jump (siglongjmp), traced again from it" if left else "")
             )
         if rec.traced_from == "main" and rec.init is not None:
             result.warnings.append(

@@ -97,7 +97,38 @@ typedef struct {
   volatile int leaving;  /* the recording has ended: leave Stalker at the next chunk callout */
   volatile int left;     /* that callout came (bt_thread_let_go), or the host moved it out */
   uint64_t syscall_at;   /* the program's system call instruction the thread last entered */
+  struct BtCopyChunk *copies; /* where its blocks' instructions are in Stalker's copy */
+  int handlers_running;  /* signal handlers entered and not returned from (bt_on_longjmp) */
 } BtThread;
+
+/* Where each instruction of a block went in Stalker's copy of the code (the thread's code
+   cache), so that a fault, whose pc is in the copy, names the program's instruction
+   (write_fault).  Written as each block compiles, 24 bytes and 4 per instruction, into
+   chunks of the thread's own; read only on a fault, newest first: Stalker may compile a
+   block again elsewhere, and a thread followed again gets a new cache. */
+#define BT_COPY_CHUNK (256 * 1024)
+#define BT_COPY_MAX 128 /* instructions mapped per block; a fault past them is not named */
+typedef struct {
+  uint64_t copy;      /* the block's first byte in Stalker's cache */
+  uint64_t start;     /* the program's address of its first instruction */
+  uint32_t copy_size;
+  uint16_t n;         /* instructions mapped: the first n of the block */
+  uint16_t whole;     /* 1: that is all of them */
+  uint16_t offsets[]; /* n offsets into the copy, then n into the program's block */
+} BtCopy;
+typedef struct BtCopyChunk {
+  struct BtCopyChunk *prev;
+  uint64_t used; /* bytes of BtCopy entries after this header */
+} BtCopyChunk;
+
+/* The kernel's struct sigaction (rt_sigaction), for the fault handler (catch_faults). */
+typedef struct {
+  void *handler;
+  uint64_t flags;
+  void *restorer;
+  uint64_t mask;
+} BtSigaction;
+#define BT_FAULT_SIGNALS 7
 
 #define BT_MAX_THREADS 4096
 #define BT_MAX_SPARED 16
@@ -134,6 +165,10 @@ typedef struct {
   /* is_frida_code(): replaced whole, never changed (x86 keeps the script's stores in order) */
   const struct BtCodeMap *volatile code_map;
   uint8_t *stalker; /* the GumStalker, once widen_inline_cache() has checked its layout */
+  /* the handlers on_fault() took the place of and calls on (0: not taken), by signal as in
+     fault_signals */
+  BtSigaction chained[BT_FAULT_SIGNALS];
+  uint64_t faults_taken; /* bit i: on_fault() took signal fault_signals[i] */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -157,21 +192,26 @@ struct BtCodeMap {
    compiling a block of Frida's agent, or of libc called from it, may hold a lock of the
    agent's (GLib's signal lock), and the script's lock, which the answer needs, may be held
    by a thread waiting for that one (a new thread's Stalker.garbageCollect()). */
-static int is_frida_code(uint64_t address) {
+static const BtCodeRange *code_range(uint64_t address) {
   const struct BtCodeMap *map = STATE->code_map;
-  if (map != NULL) {
-    uint64_t lo = 0, hi = map->count;
-    while (lo < hi) {
-      uint64_t mid = (lo + hi) / 2;
-      if (address < map->ranges[mid].start)
-        hi = mid;
-      else if (address >= map->ranges[mid].end)
-        lo = mid + 1;
-      else
-        return (int)map->ranges[mid].fridas;
-    }
+  if (map == NULL)
+    return NULL;
+  uint64_t lo = 0, hi = map->count;
+  while (lo < hi) {
+    uint64_t mid = (lo + hi) / 2;
+    if (address < map->ranges[mid].start)
+      hi = mid;
+    else if (address >= map->ranges[mid].end)
+      lo = mid + 1;
+    else
+      return &map->ranges[mid];
   }
-  return bt_is_frida_code(address);
+  return NULL;
+}
+
+static int is_frida_code(uint64_t address) {
+  const BtCodeRange *range = code_range(address);
+  return range != NULL ? (int)range->fridas : bt_is_frida_code(address);
 }
 
 static int in_forked_child(void) {
@@ -439,7 +479,9 @@ static int open_ring(BtThread *t, const char *path, uint32_t tid) {
 static void write_gap(BtThread *t, uint32_t reason) {
   uint64_t gap = bt_escape(BT_RECORDTYPE_GAP, 0, reason);
   if (write_counted(t, &gap, 1) == 0) {
-    uint64_t at = reason == BT_GAPREASON_FORK ? BT_OFF_COUNTED_GAP_FORK : BT_OFF_COUNTED_GAP_SIGNAL;
+    uint64_t at = reason == BT_GAPREASON_FORK     ? BT_OFF_COUNTED_GAP_FORK
+                  : reason == BT_GAPREASON_SIGNAL ? BT_OFF_COUNTED_GAP_SIGNAL
+                                                  : BT_OFF_COUNTED_GAP_LEFT_HANDLER;
     BT_HDR64(&t->w, at) = BT_HDR64(&t->w, at) + 1;
   }
 }
@@ -613,6 +655,7 @@ void bt_thread_gap(BtThread *t, uint32_t reason) {
    threads it must not start following (stalker_agent.js). */
 extern void bt_before_fork(void);
 extern void bt_after_fork(void);
+void bt_release_faults(void);
 
 void bt_on_fork_enter(GumInvocationContext *ic) {
   if (in_forked_child())
@@ -633,6 +676,7 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
     for (int i = 0; i < STATE->nthreads; i++)
       if (STATE->threads[i] != NULL)
         bt_thread_forget(STATE->threads[i]);
+    bt_release_faults(); /* Frida frees this code in the child */
     return;
   }
   if (!in_forked_child())
@@ -780,6 +824,12 @@ static void release_thread(BtThread *t, int ended) {
   }
   munmap(t->reserve, t->reserve_size); /* the ring and its block table */
   munmap(t->scratch_area, 2 * BT_CHUNK);
+  if (ended) /* the thread itself, at its exit: no fault of its can read them any more */
+    while (t->copies != NULL) {
+      BtCopyChunk *prev = t->copies->prev;
+      munmap(t->copies, BT_COPY_CHUNK);
+      t->copies = prev;
+    }
   if (t->cs_insn != NULL)
     cs_free(t->cs_insn, 1);
   t->cs_insn = NULL;
@@ -989,6 +1039,7 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
   BtThread *t = current_thread();
   if (t == NULL || t->closed)
     return;
+  t->handlers_running++;
   if (!t->in_c) /* x86-64 passes the ucontext as the third argument, SA_SIGINFO or not */
     finish_interrupted_record(t, gum_invocation_context_get_nth_argument(ic, 2));
   if (t->in_c || (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
@@ -998,11 +1049,212 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
   bt_thread_gap(t, BT_GAPREASON_SIGNAL);
 }
 
+/* A handler runs outside Stalker, and one that returns goes back into Stalker's copy of
+   the code it interrupted (its signal frame holds that pc).  One that leaves by
+   siglongjmp() instead lands natively, and the thread ran on untraced for good (a handler
+   that recovers from SIGSEGV: 1 of 3 calls recorded).  So the kernel's way back from a
+   handler, the restorer, counts it returned (bt_on_sigreturn), and siglongjmp() called
+   while a handler runs marks where the thread left it (a GAP, which breaks the chain) and
+   follows the thread again from there: the jump itself and all after it are traced. */
+void bt_on_sigreturn(GumInvocationContext *ic) {
+  BtThread *t = in_forked_child() ? NULL : current_thread();
+  if (t != NULL && t->handlers_running > 0)
+    t->handlers_running--;
+}
+
+void bt_on_longjmp(GumInvocationContext *ic) {
+  BtThread *t = in_forked_child() ? NULL : current_thread();
+  if (t == NULL || t->handlers_running == 0)
+    return;
+  t->handlers_running = 0;
+  bt_thread_gap(t, BT_GAPREASON_LEFT_HANDLER);
+  bt_follow_again();
+}
+
 /* Copy n bytes from addr, or fail (0) instead of faulting when they are not mapped. */
 static int read_safely(const void *addr, void *out, uint64_t n) {
   uint64_t local[2] = {(uint64_t)out, n};
   uint64_t remote[2] = {(uint64_t)addr, n};
   return syscall(310 /* process_vm_readv */, getpid(), local, 1, remote, 1, 0) == (long)n;
+}
+
+/* Note where the instructions of a block just compiled are in the copy (BtCopy). */
+static void add_copy(BtThread *t, uint64_t copy, uint64_t copy_size, uint64_t start,
+                     unsigned n, int whole, const uint16_t *offsets) {
+  uint64_t size = (sizeof(BtCopy) + 4 * n + 7) & ~7ULL;
+  BtCopyChunk *c = t->copies;
+  if (c == NULL || sizeof(BtCopyChunk) + c->used + size > BT_COPY_CHUNK) {
+    BtCopyChunk *fresh = mmap(NULL, BT_COPY_CHUNK, 3, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+    if (fresh == (BtCopyChunk *)-1)
+      return; /* a fault in the block is then known by its block alone */
+    fresh->prev = c;
+    fresh->used = 0;
+    t->copies = c = fresh;
+  }
+  BtCopy *e = (BtCopy *)((uint8_t *)(c + 1) + c->used);
+  e->copy = copy;
+  e->start = start;
+  e->copy_size = (uint32_t)copy_size;
+  e->n = (uint16_t)n;
+  e->whole = (uint16_t)whole;
+  for (unsigned i = 0; i < 2 * n; i++)
+    e->offsets[i] = offsets[i];
+  /* last: a fault that interrupts this (in the thread's own handler) sees whole entries */
+  *(volatile uint64_t *)&c->used = c->used + size;
+}
+
+/* The program's instruction that Stalker's copy holds at `pc`, or 0. */
+static uint64_t program_address(BtThread *t, uint64_t pc) {
+  for (const BtCopyChunk *c = t->copies; c != NULL; c = c->prev) {
+    const BtCopy *found = NULL;
+    for (uint64_t at = 0; at < c->used;) {
+      const BtCopy *e = (const BtCopy *)((const uint8_t *)(c + 1) + at);
+      if (pc >= e->copy && pc - e->copy < e->copy_size)
+        found = e;
+      at += (sizeof(BtCopy) + 4 * e->n + 7) & ~7ULL;
+    }
+    if (found == NULL || found->n == 0)
+      continue;
+    uint64_t offset = pc - found->copy;
+    unsigned k = 0;
+    while (k + 1 < found->n && found->offsets[k + 1] <= offset)
+      k++;
+    if (k + 1 == found->n && !found->whole)
+      return 0; /* in the last instruction mapped, or in one after it */
+    return found->start + found->offsets[found->n + k];
+  }
+  return 0;
+}
+
+static int is_syscall_at(uint64_t address) {
+  uint8_t code[2];
+  return read_safely((const void *)address, code, 2) && code[0] == 0x0f && code[1] == 0x05;
+}
+
+/* The signals on_fault() takes.  Those that name an instruction in a FAULT record: the
+   kernel raises SIGSEGV, SIGBUS, SIGILL and SIGFPE as an instruction runs (si_code > 0),
+   and SIGABRT when the thread raises it at itself with a system call (abort()). */
+static const int fault_signals[BT_FAULT_SIGNALS] = {11 /* SIGSEGV */, 7 /* SIGBUS */,
+                                                    4 /* SIGILL */,  8 /* SIGFPE */,
+                                                    6 /* SIGABRT */, 5 /* SIGTRAP */,
+                                                    31 /* SIGSYS */};
+
+/* Whether the instruction that raised the signal raises it again as the handler returns
+   (it did not complete): a fault, not a signal sent, a breakpoint or a system call's. */
+static int raised_again(int sig, int32_t code) {
+  return code > 0 && (sig == 11 || sig == 7 || sig == 4 || sig == 8);
+}
+
+/* The FAULT record of a fault of a thread of ours, in its signal handler, before any of the
+   program's (docs/format.md).  The interrupted pc is in Stalker's copy of the code, so
+   the program's instruction comes from the copy's map; a pc in the program's own code is
+   code the thread ran untraced (a signal handler).  Offsets in the ucontext and siginfo
+   are x86-64 Linux's. */
+static void write_fault(int sig, const uint8_t *info, const uint8_t *uc) {
+  if (in_forked_child())
+    return;
+  int32_t code = *(const int32_t *)(info + 8);
+  if (sig == 6 ? code != -6 /* SI_TKILL */ || *(const int32_t *)(info + 16) != getpid()
+               : !raised_again(sig, code))
+    return; /* sent by a process, or not about one instruction */
+  BtThread *t = current_thread();
+  if (t == NULL || t->in_c)
+    return;
+  uint64_t pc = *(const uint64_t *)(uc + 168); /* uc_mcontext.gregs[REG_RIP] */
+  const BtCodeRange *range = code_range(pc);
+  if (range != NULL && range->fridas)
+    return; /* Frida's own (a read it guards) */
+  uint64_t ip = range != NULL ? pc : program_address(t, pc);
+  if (sig == 6) { /* pc is after the system call that raised it: the next instruction */
+    if (ip != 0 && is_syscall_at(ip))
+      ip += 2; /* the copy holds the call's instruction and Stalker's code after it */
+    else if (ip == 0 || !is_syscall_at(ip - 2))
+      return;
+  }
+  int memory = sig == 11 || sig == 7; /* SIGSEGV, SIGBUS: si_addr is the memory */
+  uint64_t address = memory ? *(const uint64_t *)(info + 16) : 0;
+  uint64_t access = 0; /* FaultAccess: from a page fault's error code */
+  if (memory && *(const uint64_t *)(uc + 200) == 14 /* REG_TRAPNO: #PF */) {
+    uint64_t error = *(const uint64_t *)(uc + 192); /* REG_ERR */
+    access = error & 16 ? 3 /* instruction fetch */ : error & 2 ? 2 /* write */ : 1;
+  }
+  long ts[2];
+  clock_gettime(1 /* CLOCK_MONOTONIC */, ts);
+  uint64_t fault[6] = {bt_escape(BT_RECORDTYPE_FAULT, 5, (uint64_t)sig),
+                       (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK,
+                       ip & BT_PAYLOAD_MASK, address & BT_PAYLOAD_MASK, access,
+                       (uint64_t)(uint32_t)code};
+  t->in_c++;
+  sync_head(t);
+  write_counted(t, fault, 6);
+  refill(t);
+  leave_c(t);
+}
+
+static void on_fault(int sig, void *info, void *uc) {
+  write_fault(sig, info, uc);
+  int i = 0;
+  while (fault_signals[i] != sig)
+    i++;
+  BtSigaction *chained = &STATE->chained[i];
+  if (chained->handler == (void *)0 /* SIG_DFL */)
+    syscall(13 /* rt_sigaction */, sig, chained, NULL, 8);
+  else if (chained->handler == (void *)1 /* SIG_IGN */)
+    return;
+  else if (chained->flags & 4 /* SA_SIGINFO */)
+    ((void (*)(int, void *, void *))chained->handler)(sig, info, uc);
+  else
+    ((void (*)(int))chained->handler)(sig);
+  /* The default action is back (Frida's handler gives it back when the program has none of
+     its own, and returns): the process is to die of this signal, as it does untraced.  A
+     fault does as the handler returns; anything else would be lost (a breakpoint, a signal
+     sent, which the program survived) or raised later (abort() would go on and raise its
+     SIGABRT again), so it is raised again now. */
+  BtSigaction now;
+  if (!raised_again(sig, *(const int32_t *)((const uint8_t *)info + 8)) &&
+      syscall(13, sig, NULL, &now, 8) == 0 && now.handler == (void *)0)
+    syscall(234 /* tgkill */, getpid(), syscall(186 /* gettid */), sig);
+}
+
+/* on_fault() takes the place of each fault signal's handler in the kernel (Frida's, which
+   keeps the program's own behind it: they run after), with its flags, mask and restorer.
+   Frida's way to that point (Process.setExceptionHandler) runs JavaScript in the handler,
+   which may need the malloc lock that a crash inside malloc() holds.  A signal without a
+   restorer to return through keeps its handler. */
+/* The restorer the handlers on_fault() took had (libc's __restore_rt), or 0. */
+uint64_t bt_fault_restorer(void) {
+  for (int i = 0; i < BT_FAULT_SIGNALS; i++)
+    if (STATE->faults_taken & (1ULL << i))
+      return (uint64_t)STATE->chained[i].restorer;
+  return 0;
+}
+
+void bt_catch_faults(void) {
+  STATE->faults_taken = 0;
+  for (int i = 0; i < BT_FAULT_SIGNALS; i++) {
+    BtSigaction old, mine;
+    if (syscall(13 /* rt_sigaction */, fault_signals[i], NULL, &old, 8) != 0 ||
+        !(old.flags & 0x04000000 /* SA_RESTORER */))
+      continue;
+    STATE->chained[i] = old;
+    mine = old;
+    mine.handler = (void *)on_fault;
+    mine.flags |= 4 /* SA_SIGINFO */;
+    if (syscall(13, fault_signals[i], &mine, NULL, 8) == 0)
+      STATE->faults_taken |= 1ULL << i;
+  }
+}
+
+/* The handlers on_fault() took the place of go back, as this code is about to go. */
+void bt_release_faults(void) {
+  for (int i = 0; i < BT_FAULT_SIGNALS; i++) {
+    BtSigaction now;
+    if (!(STATE->faults_taken & (1ULL << i)))
+      continue;
+    if (syscall(13, fault_signals[i], NULL, &now, 8) == 0 && now.handler == (void *)on_fault)
+      syscall(13, fault_signals[i], &STATE->chained[i], NULL, 8);
+  }
+  STATE->faults_taken = 0;
 }
 
 /* The notes file (stalker_agent.js): a line appended with open, write and close alone, no
@@ -1614,6 +1866,9 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   int r = -1;        /* the dead register the record uses, or -1: rax, saved */
   uint64_t start = 0, last = 0;
   uint64_t wp_addr = (uint64_t)t->wpp;
+  uint64_t copy = 0; /* where the block's copy starts, for a block of the program's */
+  uint16_t offsets[2 * BT_COPY_MAX]; /* BtCopy's, the copy's first */
+  unsigned mapped = 0;
 
   int first = 1;
   if (in_forked_child()) { /* a forked child runs on, unrecorded */
@@ -1630,6 +1885,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       /* TODO(LA57): only with 5-level paging; counted and reported, never silent */
       t->far_blocks++;
     } else if (first && t->next_id >= t->table_cap) {
+      copy = cw->pc;
       start = insn->address;
       spilled = new_spilled(t);
       if (spilled != NULL)
@@ -1637,6 +1893,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       else
         t->far_blocks++;
     } else if (first) {
+      copy = cw->pc;
       start = insn->address;
       int flags_dead = 0;
       csh cs = gum_stalker_iterator_get_capstone(iterator);
@@ -1652,6 +1909,12 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
                     : put_saving_record(iterator, cw, t, flags_dead, start);
       tail_slow = flags_dead;
     }
+    if (copy != 0 && mapped < BT_COPY_MAX) {
+      /* the first instruction's place takes in the record's code before it */
+      offsets[mapped] = first ? 0 : (uint16_t)(cw->pc - copy);
+      offsets[BT_COPY_MAX + mapped] = (uint16_t)(insn->address - start);
+    }
+    mapped += copy != 0;
     first = 0;
     last = insn->address;
     if (insn->id == X86_INS_SYSCALL)
@@ -1660,6 +1923,12 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   }
   if (tail_slow)
     put_tail_slow_path(iterator, cw, t, slot, r, start);
+  if (copy != 0) {
+    unsigned n = mapped < BT_COPY_MAX ? mapped : BT_COPY_MAX;
+    for (unsigned i = 0; i < n; i++)
+      offsets[n + i] = offsets[BT_COPY_MAX + i];
+    add_copy(t, copy, cw->pc - copy, start, n, mapped <= BT_COPY_MAX, offsets);
+  }
   /* Stalker ends a block at every branch, so it spans a few dozen bytes: the offset of
      its last instruction always fits the 16 bits of a BLOCK word. */
   uint64_t record = start | ((last - start) << BT_BLOCK_ADDR_BITS);

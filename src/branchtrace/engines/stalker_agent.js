@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 320); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 552); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -168,6 +168,10 @@ const cm = new CModule(PARAMS.cSource, {
   strlen: libc('strlen'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
+// A fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, abort()) names the program's instruction in the
+// trace (FAULT records, write_fault in stalker_agent.c) until the end (finish).
+const releaseFaults = new NativeFunction(cm.bt_release_faults, 'void', []);
+new NativeFunction(cm.bt_catch_faults, 'void', [])();
 // What the host reads only at the end goes to a file, one JSON object a line (bt_note), rather
 // than into a message: with --follow-fork a message still on its way when the program forks
 // kills the child or leaves it stuck (its Frida delivers it over the parent's connection,
@@ -399,6 +403,19 @@ for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
   }
 }
 attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
+// A handler left by a jump rather than a return (bt_on_longjmp in stalker_agent.c).
+const restorer = new NativeFunction(cm.bt_fault_restorer, 'pointer', [])();
+if (!restorer.isNull()) {
+  attach(restorer, { onEnter: cm.bt_on_sigreturn });
+}
+const jumps = new Set();
+for (const name of ['siglongjmp', 'longjmp', '_longjmp', '__longjmp_chk']) {
+  const f = Module.findGlobalExportByName(name);
+  if (f !== null && !jumps.has(f.toString())) {
+    jumps.add(f.toString());
+    attach(f, { onEnter: cm.bt_on_longjmp });
+  }
+}
 
 // fork(): handled in C, because no JavaScript can run in a forked child (unless Frida gates
 // it, with --follow-fork: then this script lives on in the child too, doing nothing there).
@@ -793,6 +810,7 @@ function finish() {
     far += threadFarBlocks(t).toNumber();
   }
   threads.clear();
+  releaseFaults();
   release();
   holdForks(0); // else a fork() held as the host went away would wait for good
   ungateForks();

@@ -29,9 +29,16 @@ from elftools.elf.sections import SymbolTableSection
 
 from ..errors import EngineUnavailableError, InvalidArgumentError, LaunchError
 from ..store import Flags, Mode, Ring, RingReader, RingWriter
-from ..store.format import BLOCK_ADDR_MASK, BLOCK_OFF_MASK, BranchKind, RecordType, block_word
+from ..store.format import (
+    BLOCK_ADDR_MASK,
+    BLOCK_OFF_MASK,
+    BranchKind,
+    FaultAccess,
+    RecordType,
+    block_word,
+)
 from ..store.tracedir import ModuleEvent, TraceDir, drain_to_file
-from ..x86 import NOT_A_BRANCH, classify
+from ..x86 import NOT_A_BRANCH, classify, memory_access
 from . import ptrace as pt
 from .base import (
     Events,
@@ -47,6 +54,7 @@ from .stalker import resolve_program
 
 _FLUSH = 4096  #: BLOCK words buffered per thread before they go into its ring
 _FAULTS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE}
+_SI_TKILL = -6  #: si_code of a signal sent with tgkill (raise, abort)
 
 
 class _Thread:
@@ -314,8 +322,7 @@ class _Session:
                 inject = sig
                 t.signal_at = rip
                 delivering.add(tid)
-                if sig in _FAULTS and t.at == rip:
-                    t.last = rip  # the faulting instruction: tried, and the trace says so
+                self._fault(t, sig, rip)
             elif tid in delivering:
                 delivering.discard(tid)
                 self._delivered(t, rip)
@@ -354,6 +361,39 @@ class _Session:
             now = time.monotonic_ns()
             t.writer.write(RecordType.THREAD_EXIT, t.tid, now, rip - 2, status, call)
             t.records += 1
+
+    def _fault(self, t: _Thread, sig: int, rip: int) -> None:
+        """A signal is about to be delivered to the thread at `rip`.  When an instruction
+        raised it (a fault at `rip`, which did not complete; or SIGABRT from the thread's
+        own system call, which did), the thread's block ends there and a FAULT record says
+        so, as the stalker engine writes it."""
+        code, sender, address = pt.siginfo(t.tid)
+        if t.at is None:
+            return
+        if sig == signal.SIGABRT:
+            if code != _SI_TKILL or sender != self.pid:
+                return
+            if rip == t.at + 2 and self.kind(t.at)[0] == BranchKind.SYSCALL:
+                self._stepped(t, rip)  # it ran the call, which no single step reported
+            elif rip != t.at or t.last is not None or self.kind(rip - 2)[0] != BranchKind.SYSCALL:
+                return  # (the step after the call was reported, and ended its block)
+        elif sig in _FAULTS and code > 0 and t.at == rip:
+            t.end_block(rip)  # tried, and the trace says so
+        else:
+            return
+        access = FaultAccess.UNKNOWN
+        if sig in (signal.SIGSEGV, signal.SIGBUS):
+            try:
+                code_bytes = os.pread(self.mem.fileno(), 16, rip)
+            except OSError:
+                code_bytes = b""
+            access = FaultAccess.EXECUTE if address == rip else memory_access(code_bytes, rip)
+        else:
+            address = 0
+        t.flush()
+        now = time.monotonic_ns()
+        t.writer.write(RecordType.FAULT, sig, now, rip, address, access, code & 0xFFFFFFFF)
+        t.records += 1
 
     def _delivered(self, t: _Thread, rip: int) -> None:
         """A signal was delivered; the thread stopped at `rip`: its handler, or where it was
