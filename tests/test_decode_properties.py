@@ -16,6 +16,7 @@ from branchtrace.analysis.kernels import (
     block_bounds,
     scan_blocks,
 )
+from branchtrace.analysis.trace import faults_in, thread_end
 from branchtrace.store import BranchKind, RecordType, parse_words
 from branchtrace.store.format import GapReason, record_words
 from branchtrace.x86 import NOT_A_BRANCH
@@ -158,3 +159,35 @@ def test_branches_of_agrees_with_a_pairwise_reference(blocks_spec, rnd):
     got = branches_of(b)
     want = reference_branches(b)
     assert [tuple(int(x) for x in r) for r in got] == [tuple(map(int, r)) for r in want]
+
+
+faults = st.tuples(
+    st.just(RecordType.FAULT),
+    st.sampled_from([4, 6, 7, 8, 11]),
+    st.integers(0, 1 << 62),  # time
+    st.integers(0, (1 << 64) - 1),  # the instruction: any address, kernel ones too
+    st.integers(0, (1 << 64) - 1),  # si_addr
+    st.integers(0, 3),
+    st.integers(-6, 128),
+)
+fars = st.tuples(st.just(RecordType.BLOCK_FAR), st.integers(0, 200), st.integers(1 << 47, 1 << 56))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(blocks, blocks, fars, faults, others), max_size=200))
+def test_faults_are_placed_in_the_block_recorded_before_them(recs):
+    # faults_in looks at record headers only; parse_words reads every word
+    words = np.array(
+        [w for r in recs for w in record_words(*[x & ((1 << 64) - 1) for x in r])], np.uint64
+    )
+    parsed = parse_words(words)
+    is_block = np.cumsum(parsed["type"] == RecordType.BLOCK)
+    want = [
+        (int(is_block[i]) - 1, int(parsed["b"][i]), int(parsed["arg"][i]))
+        for i in np.flatnonzero(parsed["type"] == RecordType.FAULT).tolist()
+    ]
+    got = [(block, f.address, f.signal) for block, f in faults_in(words)]
+    assert got == want
+    end = thread_end(words)
+    if recs and recs[-1][0] == RecordType.FAULT:
+        assert end is not None and (end.call, end.address) == ("fault", want[-1][1])

@@ -98,6 +98,30 @@ def test_views_end_a_crash_at_the_faulting_store_in_boom(tmp_path, crash_trace, 
 
 
 @pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_insns_marks_each_fault_a_handler_took(tmp_path, programs, engine):
+    # poke faults 3 times, and the handler siglongjmps back to main each time: Stalker
+    # runs the handler untraced, and nothing of poke after the store ran
+    trace = recorded(tmp_path, programs["faults"], "recover", engine=engine)
+    rows = jsonl(bt("insns", trace, "-n", "100000", "--json"))
+    marks = [k for k, r in enumerate(rows) if "fault" in r]
+    assert len(marks) == 3
+    text = "SIGSEGV, a write to address 0x0, here: the program's handler took it"
+    for k in marks:
+        store, fault, after = rows[k - 1], rows[k], rows[k + 1]
+        assert store["sym"].startswith("poke+") and store["insn"] == "mov dword ptr [rax], 0x2a"
+        assert (fault["fault"], fault["address"], fault["text"]) == (
+            "SIGSEGV",
+            store["address"],
+            text,
+        )
+        if engine == "stalker":
+            assert after["reason"] == "left_handler" and rows[k + 2]["sym"] == "longjmp"
+        else:  # the step engine traces the handler itself
+            assert after["sym"] == "on_segv"
+    assert rows[-1]["end"] == "exit_group"
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
 def test_views_end_a_thread_at_its_exit_system_call(tmp_path, programs, engine):
     # main calls exit(3) while its worker sleeps in pause(): Stalker records a block as it
     # starts, and _exit's block runs on past its exit_group system call in the code

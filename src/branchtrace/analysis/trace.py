@@ -111,17 +111,21 @@ class ThreadEnd:
         return f"{whom} ended {where}: {self.call}({self.status})"
 
     def _describe_fault(self, where: str) -> str:
-        name = signal_name(self.signal or 0)
         if self.signal == _SIGABRT:
-            return f"the program aborted {where}: the system call raised {name}"
+            return f"the program aborted {where}: the system call raised SIGABRT"
+        return f"the program crashed {where}: {self.fault_text()}"
+
+    def fault_text(self) -> str:
+        """The fault alone: its signal, and the access that faulted when the CPU says."""
+        name = signal_name(self.signal or 0)
         if self.fault_address is None:
-            return f"the program crashed {where}: {name}"
+            return name
         access = {
             FaultAccess.READ: "a read of",
             FaultAccess.WRITE: "a write to",
             FaultAccess.EXECUTE: "a jump to",
         }.get(self.access, "an access to")
-        return f"the program crashed {where}: {name}, {access} address {self.fault_address:#x}"
+        return f"{name}, {access} address {self.fault_address:#x}"
 
 
 def signal_name(number: int) -> str:
@@ -150,26 +154,60 @@ def thread_end(words: np.ndarray) -> ThreadEnd | None:
     after = tail[i + 1 + n :]
     if np.any(~(after >> np.uint64(63)).astype(bool) & (after != 0) & ~_payloads(after)):
         return None
-    payload = [int(w) for w in tail[i + 1 : i + 1 + n]] + [0] * 5
-    address, fault_address = (int(a) for a in unpayload(np.array(payload[1:3], np.uint64)))
     if int(rtype[i]) == RecordType.FAULT:
-        signum = int(tail[i] & np.uint64(ARG_MASK))
-        # si_addr is the memory of a SIGSEGV's or SIGBUS's access: not of one the CPU
-        # refused outright (SI_KERNEL: a general protection fault, a non-canonical address)
-        code = int(np.uint32(payload[4] & 0xFFFFFFFF).view(np.int32))
-        memory = signum in (7, 11) and code != _SI_KERNEL
-        return ThreadEnd(
-            payload[0],
-            address,
-            None,
-            "fault",
-            signum,
-            fault_address if memory else None,
-            FaultAccess(payload[3] if payload[3] <= FaultAccess.EXECUTE else 0),
-        )
+        return _fault(tail[i : i + 1 + n])
+    payload = [int(w) for w in tail[i + 1 : i + 1 + n]] + [0] * 5
+    address = int(unpayload(np.array(payload[1:2], np.uint64))[0])
     call = _EXIT_CALLS.get(payload[3], f"system call {payload[3]}")
     status = int(np.uint32(payload[2] & 0xFFFFFFFF).view(np.int32))  # exit() takes an int
     return ThreadEnd(payload[0], address, None if call in EXEC_CALLS else status, call)
+
+
+def _fault(record: np.ndarray) -> ThreadEnd:
+    """A FAULT record's words (its header, then its payload) as the end they make."""
+    payload = [int(w) for w in record[1:]] + [0] * 5
+    address, fault_address = (int(a) for a in unpayload(np.array(payload[1:3], np.uint64)))
+    signum = int(record[0] & np.uint64(ARG_MASK))
+    # si_addr is the memory of a SIGSEGV's or SIGBUS's access: not of one the CPU refused
+    # outright (SI_KERNEL: a general protection fault, a non-canonical address)
+    code = int(np.uint32(payload[4] & 0xFFFFFFFF).view(np.int32))
+    memory = signum in (7, 11) and code != _SI_KERNEL
+    return ThreadEnd(
+        payload[0],
+        address,
+        None,
+        "fault",
+        signum,
+        fault_address if memory else None,
+        FaultAccess(payload[3] if payload[3] <= FaultAccess.EXECUTE else 0),
+    )
+
+
+def faults_in(words: np.ndarray) -> list[tuple[int, ThreadEnd]]:
+    """Each FAULT record among a thread's (expanded) words, oldest first, with the index
+    of the block it was taken in: the one recorded before it.  Only the few record headers
+    are looked at, never each word."""
+    w = np.asarray(words, np.uint64)
+    headers = np.flatnonzero(w >= np.uint64(1 << 63))
+    if headers.size == 0:
+        return []
+    rtype = (w[headers] >> np.uint64(TYPE_SHIFT)) & np.uint64(TYPE_MASK)
+    lengths = ((w[headers] >> np.uint64(LEN_SHIFT)) & np.uint64(LEN_MASK)).astype(np.int64)
+    is_fault = rtype == RecordType.FAULT
+    if not is_fault.any():
+        return []
+    # the blocks before a header: its words before it, less the headers and their payloads,
+    # plus the BLOCK_FAR records (headers that are blocks)
+    payload_before = np.concatenate([[0], np.cumsum(lengths)])[:-1]
+    far_before = np.concatenate([[0], np.cumsum(rtype == RecordType.BLOCK_FAR)])[:-1]
+    blocks_before = headers - np.arange(headers.size) - payload_before + far_before
+    found = zip(
+        headers[is_fault].tolist(),
+        lengths[is_fault].tolist(),
+        blocks_before[is_fault].tolist(),
+        strict=True,
+    )
+    return [(before - 1, _fault(w[h : h + 1 + n])) for h, n, before in found]
 
 
 def _payloads(words: np.ndarray) -> np.ndarray:
@@ -226,6 +264,7 @@ class Trace:
         self._modules: dict[int, ModuleMap] = {}
         self._blocks: dict[int, Blocks] = {}
         self._ends: dict[int, ThreadEnd | None] = {}
+        self._faults: dict[int, list[tuple[int, ThreadEnd]]] = {}
         self._calls: dict[int, CallHistory] = {}
 
     @cached_property
@@ -255,6 +294,7 @@ class Trace:
             self._check_tid(tid)
             words = self.words(tid)
             self._blocks[tid] = scan(words, self.modules(tid))
+            self._faults[tid] = faults_in(words)
         return self._blocks[tid]
 
     def end(self, tid: int) -> ThreadEnd | None:
@@ -265,6 +305,13 @@ class Trace:
             self._check_tid(tid)
             self._ends[tid] = thread_end(self.dir.tail_words(tid, _END_WORDS))
         return self._ends[tid]
+
+    def faults(self, tid: int) -> list[tuple[int, ThreadEnd]]:
+        """The faults the thread took, oldest first, each with the index of the block it
+        was in: those a handler of the program recovered from, and the one that ended it
+        (also `end(tid)`)."""
+        self.blocks(tid)
+        return self._faults[tid]
 
     def breaks(self, tid: int) -> np.ndarray:
         """Where the thread's chain of blocks breaks, oldest first (BREAK_DTYPE): records

@@ -343,11 +343,12 @@ def _labels(history: CallHistory, modules: Any, rows: np.ndarray) -> list[str]:
 
 
 def _newest_instructions(
-    trace: Trace, tid: int, count: int, end: ThreadEnd | None
+    trace: Trace, tid: int, count: int, cuts: dict[int, int]
 ) -> list[tuple[int, str, int]]:
     """(address, text, block index) of the newest `count` executed instructions, oldest
-    first, reconstructed by disassembling the recorded blocks (capstone).  A thread that
-    ended itself stops at the system call that ended it, inside its last block."""
+    first, reconstructed by disassembling the recorded blocks (capstone).  `cuts`: blocks
+    the thread left before their end, by the last instruction it ran in each (the system
+    call that ended it, an instruction that faulted)."""
     from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 
     cs = Cs(CS_ARCH_X86, CS_MODE_64)
@@ -360,8 +361,8 @@ def _newest_instructions(
             break
         u = int(blocks.ids[b])
         start, last = int(blocks.start[u]), int(blocks.last[u])
-        if end is not None and b == blocks.ids.size - 1 and start <= end.last <= last:
-            last = end.last
+        if start <= cuts.get(b, last) <= last:
+            last = cuts.get(b, last)
         m = int(modules.index(np.array([start], dtype=np.uint64))[0])
         image = modules.image(m) if m >= 0 else None
         code = image.read(modules.file_address(m, start), last - start + 16) if image else b""
@@ -389,9 +390,12 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
     trace = Trace(path)
     for t in _threads(trace, tid):
         end = trace.end(t)
-        rows = _newest_instructions(trace, t, count, end)
-        modules = trace.modules(t)
         last_block = trace.blocks(t).ids.size - 1
+        handled, cuts = _handled_faults(trace, t, end)
+        if end is not None:
+            cuts[last_block] = end.last
+        rows = _newest_instructions(trace, t, count, cuts)
+        modules = trace.modules(t)
         killed = _killed_within_last_block(trace, t) if end is None else None
         by_signal = bool(_process_ending(trace, t).get("signal"))
         addresses = np.array([r[0] for r in rows], dtype=np.uint64)
@@ -421,6 +425,9 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
                         }
                     )
                 )
+                if (block, address) in handled:
+                    fault, text = handled[(block, address)]
+                    click.echo(_fault_json(t, fault, text))
             if end is not None and rows:
                 click.echo(_end_json(t, end))
             continue
@@ -440,9 +447,46 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
                 printed.styled(line, "dim")
                 previous = line
             printed.add(f"  {address:#014x} {sym:<32} {text}")
+            if (block, address) in handled:
+                printed.styled(f"-- {handled[(block, address)][1]}", "bold")
         if end is not None and rows:
             printed.styled(f"-- {end.describe()}", "bold")
         printed.flush()
+
+
+def _handled_faults(
+    trace: Trace, tid: int, end: ThreadEnd | None
+) -> tuple[dict[tuple[int, int], tuple[ThreadEnd, str]], dict[int, int]]:
+    """The faults a handler of the program took without the thread ending there, by
+    (block, address), with what to say; and the blocks the thread left at such a fault
+    (its handler jumped out: nothing after the faulting instruction ran)."""
+    breaks = trace.breaks(tid)
+    left = set(breaks["block"][breaks["untraced"] == GapReason.LEFT_HANDLER].tolist())
+    last_block = trace.blocks(tid).ids.size - 1
+    handled: dict[tuple[int, int], tuple[ThreadEnd, str]] = {}
+    cuts: dict[int, int] = {}
+    for block, fault in trace.faults(tid):
+        if end is not None and block == last_block and fault == end:
+            continue
+        if block + 1 in left:  # the break that follows says how it left
+            cuts[block] = fault.address
+        text = f"{fault.fault_text()}, here: the program's handler took it"
+        handled[(block, fault.address)] = (fault, text)
+    return handled, cuts
+
+
+def _fault_json(t: int, fault: ThreadEnd, text: str) -> str:
+    return json.dumps(
+        {
+            "tid": thread_id(t),
+            "thread": thread_label(t),
+            "fault": signal_name(fault.signal or 0),
+            "address": fault.address,
+            "fault_address": fault.fault_address,
+            "access": fault.access.name.lower(),
+            "text": text,
+        }
+    )
 
 
 def _end_json(t: int, end: ThreadEnd) -> str:

@@ -1068,6 +1068,7 @@ void bt_on_longjmp(GumInvocationContext *ic) {
     return;
   t->handlers_running = 0;
   bt_thread_gap(t, BT_GAPREASON_LEFT_HANDLER);
+  write_block_far(t, (uint64_t)ic->function); /* what the hook ran relocated (bt_on_tls_dtors) */
   bt_follow_again();
 }
 
