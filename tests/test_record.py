@@ -435,6 +435,8 @@ def test_a_forked_child_dies_of_its_own_fault_signal(tmp_path, programs, follow_
         (child,) = [t for t in trace.threads if trace.pid_of(t) != trace.meta["pid"]]
         end = trace.end(child)
         assert end is not None and (end.call, end.signal) == ("fault", signal.SIGABRT)
+        (warning,) = [w for w in warnings_in(res.stderr) if "forked child" in w]
+        assert "was killed by SIGABRT; the program aborted at " in warning
 
 
 def test_after_a_recording_the_program_faults_as_it_does_untraced(tmp_path, programs):

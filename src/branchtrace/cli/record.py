@@ -48,6 +48,8 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     """Warnings, then one line: how the program ended and what was recorded."""
     for w in result.warnings:
         _CliEvents().warning(w)
+    crashed = [key for key, e in result.processes.items() if e.get("signal") is not None]
+    sites = _crash_sites(result, crashed + [result.pid] * bool(result.signal))
     for key, ending in result.processes.items():
         if ending.get("frozen") or ending.get("no_code_traced"):  # named in a warning of its own
             continue
@@ -58,7 +60,8 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
             child += f" ({Path(str(ending['executable'])).name})"
         if ending.get("signal") is not None or ending.get("detached"):
             code, signum = ending.get("exit_code"), ending.get("signal")
-            _CliEvents().warning(_ending(child, code, signum, ending.get("detached")))
+            site = f"; {sites[key]}" if key in sites else ""
+            _CliEvents().warning(_ending(child, code, signum, ending.get("detached")) + site)
     n = len(result.threads)
     processes = ""
     if result.processes:
@@ -76,33 +79,38 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
         + f" -> {result.output}",
         markup=False,
     )
-    if result.signal:
-        crash = _crash_site(result)
-        if crash:
-            err.print(f"branchtrace: {crash}", markup=False)
+    if result.pid in sites:
+        err.print(
+            f"branchtrace: {sites[result.pid]}; `branchtrace insns {result.output}` shows how",
+            markup=False,
+        )
 
 
-def _crash_site(result: RecordResult) -> str | None:
-    """Where the program faulted, when a thread's trace ends at a fault: the instruction,
-    its source line and what it did, and the view that shows the way there."""
+def _crash_sites(result: RecordResult, keys: list[int]) -> dict[int, str]:
+    """Where each of these processes (keys as in `result.processes`; the program's pid
+    for any image of it) faulted, when one of its threads' trace ends at a fault: the
+    instruction, its source line and what it did."""
     from ..analysis import Trace
     from ..errors import BranchtraceError
 
+    if not keys:
+        return {}
+    sites: dict[int, str] = {}
     try:
         trace = Trace(result.output)
         for tid in trace.threads:
-            end = trace.end(tid) if trace.pid_of(tid) == result.pid else None
+            key = trace.pid_of(tid)
+            key = result.pid if thread_id(key) == result.pid and result.pid in keys else key
+            end = trace.end(tid) if key in keys and key not in sites else None
             if end is None or end.call != "fault" or not end.last:
                 continue
             modules = trace.modules(tid)
             at = np.array([end.last], np.uint64)
-            place = modules.symbolize(at)[0]
-            line = modules.source_lines(at)[0]
-            where = f"at {place}" + (f" ({line})" if line else "")
-            return f"{end.describe(where)}; `branchtrace insns {result.output}` shows how"
+            place, line = modules.symbolize(at)[0], modules.source_lines(at)[0]
+            sites[key] = end.describe(f"at {place}" + (f" ({line})" if line else ""))
     except (BranchtraceError, OSError):
-        return None  # the summary stands without it; the views say why
-    return None
+        pass  # the summary stands without them; the views say why
+    return sites
 
 
 def _triggers(
