@@ -149,10 +149,30 @@ const hookedHandlers = new Set();
 const newHandler = new NativeCallback((handler) => {
   const key = handler.toString();
   if (!hookedHandlers.has(key)) {
+    if (hookedHandlers.size === 0) {
+      hookHandlerExits();
+    }
     hookedHandlers.add(key);
     attach(handler, { onEnter: cm.bt_on_handler_entry });
   }
 }, 'void', ['pointer']);
+// A handler left by a jump rather than a return (bt_on_longjmp in stalker_agent.c): hooked
+// once the program sets a handler, as each hook costs every thread a stop by Gum at the end
+// (letGoOfAll).
+function hookHandlerExits() {
+  const restorer = new NativeFunction(cm.bt_fault_restorer, 'pointer', [])();
+  if (!restorer.isNull()) {
+    attach(restorer, { onEnter: cm.bt_on_sigreturn });
+  }
+  const jumps = new Set();
+  for (const name of ['siglongjmp', 'longjmp', '_longjmp', '__longjmp_chk']) {
+    const f = Module.findGlobalExportByName(name);
+    if (f !== null && !jumps.has(f.toString())) {
+      jumps.add(f.toString());
+      attach(f, { onEnter: cm.bt_on_longjmp });
+    }
+  }
+}
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
   bt_new_handler: newHandler,
@@ -403,19 +423,6 @@ for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
   }
 }
 attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
-// A handler left by a jump rather than a return (bt_on_longjmp in stalker_agent.c).
-const restorer = new NativeFunction(cm.bt_fault_restorer, 'pointer', [])();
-if (!restorer.isNull()) {
-  attach(restorer, { onEnter: cm.bt_on_sigreturn });
-}
-const jumps = new Set();
-for (const name of ['siglongjmp', 'longjmp', '_longjmp', '__longjmp_chk']) {
-  const f = Module.findGlobalExportByName(name);
-  if (f !== null && !jumps.has(f.toString())) {
-    jumps.add(f.toString());
-    attach(f, { onEnter: cm.bt_on_longjmp });
-  }
-}
 
 // fork(): handled in C, because no JavaScript can run in a forked child (unless Frida gates
 // it, with --follow-fork: then this script lives on in the child too, doing nothing there).
