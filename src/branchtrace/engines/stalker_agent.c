@@ -1222,14 +1222,6 @@ static void on_fault(int sig, void *info, void *uc) {
    Frida's way to that point (Process.setExceptionHandler) runs JavaScript in the handler,
    which may need the malloc lock that a crash inside malloc() holds.  A signal without a
    restorer to return through keeps its handler. */
-/* The restorer the handlers on_fault() took had (libc's __restore_rt), or 0. */
-uint64_t bt_fault_restorer(void) {
-  for (int i = 0; i < BT_FAULT_SIGNALS; i++)
-    if (STATE->faults_taken & (1ULL << i))
-      return (uint64_t)STATE->chained[i].restorer;
-  return 0;
-}
-
 void bt_catch_faults(void) {
   STATE->faults_taken = 0;
   for (int i = 0; i < BT_FAULT_SIGNALS; i++) {
@@ -1256,6 +1248,14 @@ void bt_release_faults(void) {
       syscall(13, fault_signals[i], &STATE->chained[i], NULL, 8);
   }
   STATE->faults_taken = 0;
+}
+
+/* The restorer the handlers on_fault() took had (libc's __restore_rt), or 0. */
+uint64_t bt_fault_restorer(void) {
+  for (int i = 0; i < BT_FAULT_SIGNALS; i++)
+    if (STATE->faults_taken & (1ULL << i))
+      return (uint64_t)STATE->chained[i].restorer;
+  return 0;
 }
 
 /* The notes file (stalker_agent.js): a line appended with open, write and close alone, no
