@@ -95,6 +95,9 @@ def test_views_end_a_crash_at_the_faulting_store_in_boom(tmp_path, crash_trace, 
     assert f"[the program crashed at {last['sym']}: SIGSEGV, a write to address 0x0]" in shown[2]
     calls = bt("calls", trace).stdout.splitlines()
     assert calls[-1].strip() == "-- the program crashed here: SIGSEGV, a write to address 0x0"
+    site = f"the program crashed at {last['sym']} (crash.c:4): SIGSEGV, a write to address 0x0"
+    assert bt("info", trace).stdout.splitlines()[1] == site
+    assert jsonl(bt("info", trace, "--json"))[0]["crash"] == site
 
 
 @pytest.mark.parametrize("engine", ["stalker", "step"])

@@ -16,6 +16,7 @@ from ..store import Ring, RingReader, recovered_head
 from ..store.format import WriterState
 from ..store.records import count_records
 from ..store.tracedir import META, TraceDir, thread_label, thread_of_file
+from .views import crash_sites
 
 
 def find_stores(path: Path) -> list[Path]:
@@ -163,9 +164,12 @@ def info(path: Path, as_json: bool) -> None:
     """What PATH (a recording directory or one store file) holds."""
     meta = recording_summary(path) if (path / META).is_file() else None
     rows = [summarize(p) for p in find_stores(path)]
+    crash = None
+    if meta is not None and meta.get("signal") and meta.get("pid"):
+        crash = crash_sites(path, int(meta["pid"]), [int(meta["pid"])]).get(int(meta["pid"]))
     if as_json:
         if meta is not None:
-            click.echo(json.dumps(meta))
+            click.echo(json.dumps(meta | ({"crash": crash} if crash else {})))
         for row in rows:
             click.echo(json.dumps(row))
         return
@@ -173,6 +177,8 @@ def info(path: Path, as_json: bool) -> None:
     if meta is not None:
         what = " ".join(meta.get("argv") or []) or f"pid {meta.get('pid')}"
         out.print(f"{what}  (pid {meta.get('pid')}): {_ending(meta)}", markup=False)
+        if crash:
+            out.print(crash, markup=False)
         shot = meta.get("snapshot")
         if shot:
             out.print(

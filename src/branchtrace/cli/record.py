@@ -9,7 +9,6 @@ import threading
 from pathlib import Path
 
 import click
-import numpy as np
 from rich.console import Console
 
 from ..engines import RecordOptions, RecordResult, Target
@@ -18,6 +17,7 @@ from ..engines.stalker import StalkerEngine, resolve_program
 from ..errors import UsageError
 from ..store import Mode, parse_size
 from ..store.tracedir import thread_id, thread_label
+from .views import crash_sites
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -49,7 +49,7 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     for w in result.warnings:
         _CliEvents().warning(w)
     crashed = [key for key, e in result.processes.items() if e.get("signal") is not None]
-    sites = _crash_sites(result, crashed + [result.pid] * bool(result.signal))
+    sites = crash_sites(result.output, result.pid, crashed + [result.pid] * bool(result.signal))
     for key, ending in result.processes.items():
         if ending.get("frozen") or ending.get("no_code_traced"):  # named in a warning of its own
             continue
@@ -84,33 +84,6 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
             f"branchtrace: {sites[result.pid]}; `branchtrace insns {result.output}` shows how",
             markup=False,
         )
-
-
-def _crash_sites(result: RecordResult, keys: list[int]) -> dict[int, str]:
-    """Where each of these processes (keys as in `result.processes`; the program's pid
-    for any image of it) faulted, when one of its threads' trace ends at a fault: the
-    instruction, its source line and what it did."""
-    from ..analysis import Trace
-    from ..errors import BranchtraceError
-
-    if not keys:
-        return {}
-    sites: dict[int, str] = {}
-    try:
-        trace = Trace(result.output)
-        for tid in trace.threads:
-            key = trace.pid_of(tid)
-            key = result.pid if thread_id(key) == result.pid and result.pid in keys else key
-            end = trace.end(tid) if key in keys and key not in sites else None
-            if end is None or end.call != "fault" or not end.last:
-                continue
-            modules = trace.modules(tid)
-            at = np.array([end.last], np.uint64)
-            place, line = modules.symbolize(at)[0], modules.source_lines(at)[0]
-            sites[key] = end.describe(f"at {place}" + (f" ({line})" if line else ""))
-    except (BranchtraceError, OSError):
-        pass  # the summary stands without them; the views say why
-    return sites
 
 
 def _triggers(

@@ -454,6 +454,33 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
         printed.flush()
 
 
+def crash_sites(path: Path, pid: int, keys: list[int]) -> dict[int, str]:
+    """Where each of these processes of the recording at `path` faulted (keys as in its
+    `processes`; the program's `pid` for any image of it), when one of its threads' trace
+    ends at a fault: the instruction, its source line and what it did.  Quietly none for
+    a recording that cannot be read: the caller's summary stands without them."""
+    from ..errors import BranchtraceError
+
+    if not keys:
+        return {}
+    sites: dict[int, str] = {}
+    try:
+        trace = Trace(path)
+        for tid in trace.threads:
+            key = trace.pid_of(tid)
+            key = pid if thread_id(key) == pid and pid in keys else key
+            end = trace.end(tid) if key in keys and key not in sites else None
+            if end is None or end.call != "fault" or not end.last:
+                continue
+            modules = trace.modules(tid)
+            at = np.array([end.last], np.uint64)
+            place, line = modules.symbolize(at)[0], modules.source_lines(at)[0]
+            sites[key] = end.describe(f"at {place}" + (f" ({line})" if line else ""))
+    except (BranchtraceError, OSError):
+        pass
+    return sites
+
+
 def _handled_faults(
     trace: Trace, tid: int, end: ThreadEnd | None
 ) -> tuple[dict[tuple[int, int], tuple[ThreadEnd, str]], dict[int, int]]:
