@@ -408,6 +408,19 @@ def test_faults_a_handler_recovers_from_are_in_the_trace_and_the_program_runs_on
     assert end is not None and (end.call, end.status) == ("exit_group", 0)
 
 
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_a_handler_of_the_program_is_given_the_pc_of_its_own_instruction(
+    tmp_path, programs, engine
+):
+    # Stalker runs a copy of the code: the signal's context held the copy's pc, which no
+    # unwinder or crash reporter knows, and a core dump showed it too
+    faults = str(programs["faults"])
+    native = subprocess.run([faults, "where"], capture_output=True, text=True)
+    assert (native.returncode, native.stdout) == (3, "fault in poke\n")
+    res = record(tmp_path / "d", "--engine", engine, "--", faults, "where")
+    assert (res.returncode, res.stdout) == (3, "fault in poke\n"), res.stderr
+
+
 @pytest.mark.parametrize(
     "mode,signum", [("int3", signal.SIGTRAP), ("raise", signal.SIGSEGV), ("abort", signal.SIGABRT)]
 )

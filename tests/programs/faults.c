@@ -5,14 +5,18 @@
    int3   an int3 instruction                 raise  raise(SIGSEGV): sent, not a fault
    recover  poke() faults 3 times under a SIGSEGV handler that siglongjmps back to main,
             which prints "recovered 3" and returns 0
+   where  poke() faults under a SA_SIGINFO handler that says whether the interrupted pc it
+          is given lies in poke ("fault in poke"), then exits 3
    A second argument: "wait" prints "ready" and reads a line first; "child" has a forked
    child fault, and prints how it ended ("child: signal N" or "child: exit N"). */
+#define _GNU_SOURCE
 #include <setjmp.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <ucontext.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -26,6 +30,15 @@ __attribute__((noinline)) void trap(void) { __builtin_trap(); }
 __attribute__((noinline)) void give_up(void) { abort(); }
 
 static void on_segv(int sig) { siglongjmp(back, sig); }
+
+static void on_segv_where(int sig, siginfo_t *info, void *context) {
+  ucontext_t *uc = context;
+  unsigned long pc = (unsigned long)uc->uc_mcontext.gregs[REG_RIP];
+  unsigned long at = (unsigned long)poke;
+  printf("fault %s poke\n", pc >= at && pc < at + 32 ? "in" : "not in");
+  fflush(stdout);
+  _exit(3);
+}
 
 static int fault(const char *mode);
 
@@ -72,6 +85,11 @@ static int fault(const char *mode) {
     __asm__ volatile("int3");
   if (!strcmp(mode, "raise"))
     raise(SIGSEGV);
+  if (!strcmp(mode, "where")) {
+    struct sigaction act = {.sa_sigaction = on_segv_where, .sa_flags = SA_SIGINFO};
+    sigaction(SIGSEGV, &act, NULL);
+    poke(NULL);
+  }
   if (!strcmp(mode, "recover")) {
     signal(SIGSEGV, on_segv);
     int recovered = 0;

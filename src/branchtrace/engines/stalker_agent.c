@@ -1150,27 +1150,29 @@ static int raised_again(int sig, int32_t code) {
    program's (docs/format.md).  The interrupted pc is in Stalker's copy of the code, so
    the program's instruction comes from the copy's map; a pc in the program's own code is
    code the thread ran untraced (a signal handler).  Offsets in the ucontext and siginfo
-   are x86-64 Linux's. */
-static void write_fault(int sig, const uint8_t *info, const uint8_t *uc) {
+   are x86-64 Linux's.  Returns the program's instruction when the pc was in the copy. */
+#define UC_RIP 168 /* uc_mcontext.gregs[REG_RIP] */
+
+static uint64_t write_fault(int sig, const uint8_t *info, const uint8_t *uc) {
   if (in_forked_child())
-    return;
+    return 0;
   int32_t code = *(const int32_t *)(info + 8);
   if (sig == 6 ? code != -6 /* SI_TKILL */ || *(const int32_t *)(info + 16) != getpid()
                : !raised_again(sig, code))
-    return; /* sent by a process, or not about one instruction */
+    return 0; /* sent by a process, or not about one instruction */
   BtThread *t = current_thread();
   if (t == NULL || t->in_c)
-    return;
-  uint64_t pc = *(const uint64_t *)(uc + 168); /* uc_mcontext.gregs[REG_RIP] */
+    return 0;
+  uint64_t pc = *(const uint64_t *)(uc + UC_RIP);
   const BtCodeRange *range = code_range(pc);
   if (range != NULL && range->fridas)
-    return; /* Frida's own (a read it guards) */
+    return 0; /* Frida's own (a read it guards) */
   uint64_t ip = range != NULL ? pc : program_address(t, pc);
   if (sig == 6) { /* pc is after the system call that raised it: the next instruction */
     if (ip != 0 && is_syscall_at(ip))
       ip += 2; /* the copy holds the call's instruction and Stalker's code after it */
     else if (ip == 0 || !is_syscall_at(ip - 2))
-      return;
+      return 0;
   }
   int memory = sig == 11 || sig == 7; /* SIGSEGV, SIGBUS: si_addr is the memory */
   uint64_t address = memory ? *(const uint64_t *)(info + 16) : 0;
@@ -1190,10 +1192,19 @@ static void write_fault(int sig, const uint8_t *info, const uint8_t *uc) {
   write_counted(t, fault, 6);
   refill(t);
   leave_c(t);
+  return range != NULL ? 0 : ip;
 }
 
+/* The handlers after on_fault() see the program's instruction in the signal's context,
+   not Stalker's copy of it: a crash handler's backtrace() got 2 frames instead of 7, as no
+   unwinder knows the copy.  A process that dies of the signal dies there too (a core dump
+   shows the program's pc), and one whose handler returns resumes in the copy, traced. */
 static void on_fault(int sig, void *info, void *uc) {
-  write_fault(sig, info, uc);
+  uint64_t *rip = (uint64_t *)((uint8_t *)uc + UC_RIP);
+  uint64_t in_copy = *rip;
+  uint64_t ip = write_fault(sig, info, uc);
+  if (ip != 0)
+    *rip = ip;
   int i = 0;
   while (fault_signals[i] != sig)
     i++;
@@ -1201,20 +1212,28 @@ static void on_fault(int sig, void *info, void *uc) {
   if (chained->handler == (void *)0 /* SIG_DFL */)
     syscall(13 /* rt_sigaction */, sig, chained, NULL, 8);
   else if (chained->handler == (void *)1 /* SIG_IGN */)
-    return;
+    ;
   else if (chained->flags & 4 /* SA_SIGINFO */)
     ((void (*)(int, void *, void *))chained->handler)(sig, info, uc);
   else
     ((void (*)(int))chained->handler)(sig);
+  BtSigaction now;
+  if (syscall(13, sig, NULL, &now, 8) != 0 || now.handler != (void *)0) {
+    if (ip != 0 && *rip == ip)
+      *rip = in_copy; /* a handler recovered: the thread goes on where it was, traced */
+    return;
+  }
   /* The default action is back (Frida's handler gives it back when the program has none of
      its own, and returns): the process is to die of this signal, as it does untraced.  A
-     fault does as the handler returns; anything else would be lost (a breakpoint, a signal
-     sent, which the program survived) or raised later (abort() would go on and raise its
-     SIGABRT again), so it is raised again now. */
-  BtSigaction now;
-  if (!raised_again(sig, *(const int32_t *)((const uint8_t *)info + 8)) &&
-      syscall(13, sig, NULL, &now, 8) == 0 && now.handler == (void *)0)
+     fault does as the handler returns, at the program's instruction; anything else would
+     be lost (a breakpoint, a signal sent, which the program survived) or raised later
+     (abort() would go on and raise its SIGABRT again), so it is raised again now, blocked
+     until the handler returns: it is delivered where the thread was. */
+  if (!raised_again(sig, *(const int32_t *)((const uint8_t *)info + 8))) {
+    uint64_t mask = 1ULL << (sig - 1);
+    syscall(14 /* rt_sigprocmask */, 0 /* SIG_BLOCK */, &mask, NULL, 8);
     syscall(234 /* tgkill */, getpid(), syscall(186 /* gettid */), sig);
+  }
 }
 
 /* on_fault() takes the place of each fault signal's handler in the kernel (Frida's, which
