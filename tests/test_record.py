@@ -452,6 +452,14 @@ def test_a_forked_child_dies_of_its_own_fault_signal(tmp_path, programs, follow_
         assert "was killed by SIGABRT; the program aborted at " in warning
 
 
+def test_the_summary_names_the_crash_of_a_program_the_traced_one_execs(tmp_path, programs):
+    # the crash is in the new image (pid#2), which the summary counts as the program's
+    faults = programs["faults"]
+    res = record(tmp_path / "d", "--follow-fork", "--", "/bin/sh", "-c", f"exec {faults} segv")
+    assert res.returncode == 128 + signal.SIGSEGV, res.stderr
+    assert re.search(r"the program crashed at poke\+0x[0-9a-f]+ \(faults.c:\d+\)", res.stderr)
+
+
 def test_after_a_recording_the_program_faults_as_it_does_untraced(tmp_path, programs):
     # the agent's fault handler goes as the recording ends: a SIGABRT after it is the
     # program's (the handler's code freed with the agent would be a SIGSEGV)
