@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -74,8 +75,7 @@ _EXIT_CALLS = {60: "exit", 231: "exit_group", 59: "execve", 322: "execveat"}
 EXEC_CALLS = ("execve", "execveat")
 _ENDS = (RecordType.THREAD_EXIT, RecordType.FAULT)
 _END_WORDS = 128  #: the end record, and at most a LOST or GAP record after it
-_SIGABRT = 6
-_SI_KERNEL = 0x80
+_SI_KERNEL = 0x80  #: si_code of a fault the CPU raised with no address (general protection)
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class ThreadEnd:
     @property
     def last(self) -> int:
         """The last instruction the thread ran or tried (0: not known)."""
-        if self.signal == _SIGABRT and self.address:
+        if self.signal == signal.SIGABRT and self.address:
             return self.address - 2  # the `syscall` that raised it
         return self.address
 
@@ -111,7 +111,7 @@ class ThreadEnd:
         return f"{whom} ended {where}: {self.call}({self.status})"
 
     def _describe_fault(self, where: str) -> str:
-        if self.signal == _SIGABRT:
+        if self.signal == signal.SIGABRT:
             return f"the program aborted {where}: the system call raised SIGABRT"
         return f"the program crashed {where}: {self.fault_text()}"
 
@@ -129,8 +129,6 @@ class ThreadEnd:
 
 
 def signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:
@@ -171,7 +169,7 @@ def _fault(record: np.ndarray) -> ThreadEnd:
     # si_addr is the memory of a SIGSEGV's or SIGBUS's access: not of one the CPU refused
     # outright (SI_KERNEL: a general protection fault, a non-canonical address)
     code = int(np.uint32(payload[4] & 0xFFFFFFFF).view(np.int32))
-    memory = signum in (7, 11) and code != _SI_KERNEL
+    memory = signum in (signal.SIGBUS, signal.SIGSEGV) and code != _SI_KERNEL
     return ThreadEnd(
         payload[0],
         address,

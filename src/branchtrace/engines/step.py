@@ -367,9 +367,9 @@ class _Session:
         raised it (a fault at `rip`, which did not complete; or SIGABRT from the thread's
         own system call, which did), the thread's block ends there and a FAULT record says
         so, as the stalker engine writes it."""
-        code, sender, address = pt.siginfo(t.tid)
         if t.at is None:
             return
+        code, sender, address = pt.siginfo(t.tid)
         if sig == signal.SIGABRT:
             if code != _SI_TKILL or sender != self.pid:
                 return

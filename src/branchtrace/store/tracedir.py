@@ -150,8 +150,9 @@ class TraceDir:
         return None
 
     def tail_words(self, tid: int, count: int) -> np.ndarray:
-        """The end of the thread's words as `words()` gives them, about the last `count`
-        from a record boundary, without reading the rest of a stream: how it ended."""
+        """The end of the thread's words as `words()` gives them, at least the last `count`
+        (all, if it has fewer) and from a record boundary, without reading the rest of a
+        stream: how it ended."""
         drained = None
         total = 0
         packed = self.stream_path(tid, packed=True)
@@ -167,30 +168,32 @@ class TraceDir:
             rest, pos = RingReader(ring).read_words()
             parts = []
             if drained is not None and drained.size:
-                overlap = (total * 8 - pos) // 8
-                if 0 <= overlap <= rest.size:
-                    rest = rest[overlap:]
+                rest = self._after_drained(tid, drained, rest, pos, total)
                 if rest.size < count:
                     parts.append(drained)
             if rest.size or not parts:
                 parts.append(rest)
-            return ring.expand(parts)[-count:]
+            return ring.expand(parts)
 
     def _after_drained(
-        self, tid: int, drained: np.ndarray, rest: np.ndarray, pos: int
+        self, tid: int, drained: np.ndarray, rest: np.ndarray, pos: int, total: int = -1
     ) -> np.ndarray:
         """The ring's words `rest`, from stream position `pos`, that follow the `drained`
-        ones.  A recorder killed between appending a drain to the stream file and releasing
-        it from the ring (drain_to_file) leaves the file ahead of the ring: the ring still
-        holds those words, which must be the file's last ones."""
-        have = drained.size * 8
+        ones (the last of the `total` words in the stream file, if given).  A recorder
+        killed between appending a drain to the stream file and releasing it from the ring
+        (drain_to_file) leaves the file ahead of the ring: the ring still holds those
+        words, which must be the file's last ones."""
+        have = (drained.size if total < 0 else total) * 8
         overlap = (have - pos) // 8
         if have < pos or overlap > rest.size:
             raise StoreError(
                 f"{self.stream_path(tid)}: holds {have} bytes but the ring continues at "
                 f"position {pos}: the recording is incomplete"
             )
-        if overlap and not np.array_equal(rest[:overlap], drained[drained.size - overlap :]):
+        checked = min(overlap, drained.size)  # a tail of the file holds only so many
+        if checked and not np.array_equal(
+            rest[overlap - checked : overlap], drained[drained.size - checked :]
+        ):
             raise StoreError(
                 f"{self.stream_path(tid)}: its last {overlap * 8} bytes differ from the "
                 f"ring's at position {pos}: the recording is corrupt"
