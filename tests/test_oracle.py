@@ -23,7 +23,8 @@ from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 import branchtrace
 from branchtrace.analysis.kernels import BREAK_INTERRUPT, HOW_CALL, HOW_SIGNAL, HOW_TAIL
 from branchtrace.store import BranchKind
-from branchtrace.x86 import NOT_A_BRANCH, classify
+from branchtrace.store.format import FaultAccess
+from branchtrace.x86 import NOT_A_BRANCH, classify, memory_access
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
 
@@ -255,3 +256,21 @@ def test_call_history_through_cxx_exceptions_has_no_runaway_depth(tmp_path, prog
     thrower = [d for name, d in named if name == "thrower(int)"]  # demangled
     assert trace.stats()["functions"]["thrower(int)"] == 9
     assert min(thrower) == min(main_depths) + 1 and max(thrower) == min(main_depths) + 3
+
+
+@pytest.mark.parametrize(
+    "code,access",
+    [
+        ("c7002a000000", FaultAccess.WRITE),  # mov dword ptr [rax], 42
+        ("8b00", FaultAccess.READ),  # mov eax, dword ptr [rax]
+        ("830001", FaultAccess.WRITE),  # add dword ptr [rax], 1
+        ("55", FaultAccess.WRITE),  # push rbp: a stack overflow's fault
+        ("e800000000", FaultAccess.WRITE),  # call: its return address
+        ("c3", FaultAccess.READ),  # ret
+        ("ff30", FaultAccess.UNKNOWN),  # push qword ptr [rax]: reads one place, writes another
+        ("0f0b", FaultAccess.UNKNOWN),  # ud2
+    ],
+)
+def test_the_step_engine_tells_what_a_faulting_instruction_does_to_memory(code, access):
+    # the stalker engine has the page fault's error code; the step engine, the instruction
+    assert memory_access(bytes.fromhex(code), 0x1000) == access

@@ -45,13 +45,26 @@ def classify(code: bytes, address: int) -> tuple[int, int]:
     return NOT_A_BRANCH, insn.size
 
 
+#: instructions that write or read the stack with no operand that says so
+_STACK_WRITES = {cx86.X86_INS_PUSH, cx86.X86_INS_PUSHFQ, cx86.X86_INS_CALL, cx86.X86_INS_ENTER}
+_STACK_READS = {cx86.X86_INS_POP, cx86.X86_INS_POPFQ, cx86.X86_INS_RET, cx86.X86_INS_LEAVE}
+
+
 def memory_access(code: bytes, address: int) -> FaultAccess:
-    """What the instruction at `address` does to memory through an operand: WRITE if it
-    writes any, READ if it only reads; UNKNOWN without a memory operand (a push's stack)."""
+    """What the instruction at `address` does to memory, through its operands or the stack
+    (a push, a call: a stack overflow's fault): WRITE if it writes, READ if it only reads;
+    UNKNOWN without memory, or when it reads one place and writes another (a push of a
+    memory operand), which a fault's address alone cannot tell apart."""
     insn = next(_cs.disasm(code, address, 1), None)
     if insn is None:
         return FaultAccess.UNKNOWN
     memory = [op for op in insn.operands if op.type == cx86.X86_OP_MEM]
-    if any(op.access & CS_AC_WRITE for op in memory):
-        return FaultAccess.WRITE
-    return FaultAccess.READ if memory else FaultAccess.UNKNOWN
+    accesses = set()
+    if memory:
+        writes = any(op.access & CS_AC_WRITE for op in memory)
+        accesses.add(FaultAccess.WRITE if writes else FaultAccess.READ)
+    if insn.id in _STACK_WRITES:
+        accesses.add(FaultAccess.WRITE)
+    elif insn.id in _STACK_READS:
+        accesses.add(FaultAccess.READ)
+    return accesses.pop() if len(accesses) == 1 else FaultAccess.UNKNOWN

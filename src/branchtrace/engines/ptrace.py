@@ -23,7 +23,8 @@ PTRACE_SEIZE, PTRACE_INTERRUPT = 0x4206, 0x4207
 O_TRACEFORK, O_TRACEVFORK, O_TRACECLONE, O_TRACEEXEC, O_TRACEEXIT = 0x2, 0x4, 0x8, 0x10, 0x40
 O_EXITKILL = 0x100000
 EVENT_FORK, EVENT_VFORK, EVENT_CLONE, EVENT_EXEC, EVENT_EXIT, EVENT_STOP = 1, 2, 3, 4, 6, 128
-SI_KERNEL = 0x80  #: si_code of the SIGTRAP after an int3 (a single step gives TRAP_TRACE)
+SI_KERNEL = 0x80  #: si_code of a signal the kernel sends: the SIGTRAP after an int3 (a single
+#: step gives TRAP_TRACE), the SIGSEGV when a signal frame finds no room on the stack
 WALL = 0x40000000  #: waitpid's __WALL: threads too
 SYS_TGKILL = 234
 

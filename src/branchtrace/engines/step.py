@@ -320,9 +320,10 @@ class _Session:
             elif sig != signal.SIGTRAP:
                 # signal-delivery-stop: the next step delivers it
                 inject = sig
+                undelivered = tid in delivering and t.signal_at == rip
                 t.signal_at = rip
                 delivering.add(tid)
-                self._fault(t, sig, rip)
+                self._fault(t, sig, rip, undelivered)
             elif tid in delivering:
                 delivering.discard(tid)
                 self._delivered(t, rip)
@@ -362,14 +363,17 @@ class _Session:
             t.writer.write(RecordType.THREAD_EXIT, t.tid, now, rip - 2, status, call)
             t.records += 1
 
-    def _fault(self, t: _Thread, sig: int, rip: int) -> None:
+    def _fault(self, t: _Thread, sig: int, rip: int, undelivered: bool) -> None:
         """A signal is about to be delivered to the thread at `rip`.  When an instruction
         raised it (a fault at `rip`, which did not complete; or SIGABRT from the thread's
         own system call, which did), the thread's block ends there and a FAULT record says
-        so, as the stalker engine writes it."""
+        so, as the stalker engine writes it.  `undelivered`: the signal before it, at the
+        same place, was not delivered."""
         if t.at is None:
             return
         code, sender, address = pt.siginfo(t.tid)
+        if undelivered and sig == signal.SIGSEGV and code == pt.SI_KERNEL:
+            return  # no room for that signal's frame (a stack overflow): the kernel's SIGSEGV
         if sig == signal.SIGABRT:
             if code != _SI_TKILL or sender != self.pid:
                 return
