@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from branchtrace.store.tracedir import (
     thread_label,
 )
 from branchtrace.symbols import ModuleMap
+from branchtrace.x86 import memory_access
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
 #: what the symbols call libc's fork()
@@ -113,15 +115,19 @@ SPIN_OUTPUT = str(sum(range(1500)))
 
 
 @contextlib.contextmanager
-def attach_target(*argv: object, stdin: int | None = None) -> Iterator[subprocess.Popen]:
-    """A program to attach to, past its "ready" line.  Afterwards its whole process group is
-    killed: a child Frida left stuck must not burn a core under the tests that follow."""
+def attach_target(
+    *argv: object, stdin: int | None = None, **popen: Any
+) -> Iterator[subprocess.Popen]:
+    """A program to attach to, past its "ready" line (`popen`: more of Popen's arguments).
+    Afterwards its whole process group is killed: a child Frida left stuck must not burn a
+    core under the tests that follow."""
     target = subprocess.Popen(
         [str(a) for a in argv],
         stdin=stdin,
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        **popen,
     )
     try:
         assert target.stdout.readline().startswith("ready")
@@ -365,6 +371,93 @@ def test_a_fault_ends_the_trace_at_the_instruction_that_faulted(tmp_path, progra
     assert re.search(where, res.stderr), res.stderr
 
 
+#: faults.c's stack overflows: whether the main thread overflows (else the other), and what
+#: the program prints
+OVERFLOWS = {
+    "overflow": (True, ""),
+    "overflow-thread": (False, ""),
+    "overflow-handler": (True, ""),  # its handler finds no room to run, untraced as traced
+    "recover-overflow": (True, "recovered 3\n"),  # after 3 handlers left by siglongjmp
+}
+OVERFLOW_STACK = 256 * 1024  #: what faults.c leaves the stack that overflows
+
+
+def descend_frame(code: bytes, address: int) -> int:
+    """The bytes each call of faults.c's descend() (its `code`) takes on the stack: its
+    return address, rbp, and what it subtracts from rsp."""
+    from capstone import CS_ARCH_X86, CS_MODE_64, Cs
+
+    for insn in Cs(CS_ARCH_X86, CS_MODE_64).disasm(code, address):
+        if insn.mnemonic == "sub" and insn.op_str.startswith("rsp, "):
+            return 16 + int(insn.op_str.split(", ")[1], 0)
+    raise AssertionError("descend() makes no frame")
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+@pytest.mark.parametrize("mode", sorted(OVERFLOWS))
+def test_a_stack_overflow_ends_the_trace_at_the_write_that_overflowed(
+    tmp_path, programs, engine, mode
+):
+    # the kernel finds no room on the stack for a signal frame and kills the process at
+    # once: no handler of Stalker's or ours ran, and the trace ended "within" the last
+    # block.  The agent arms a signal stack of its own in each thread that has none.
+    faults = str(programs["faults"])
+    main, out = OVERFLOWS[mode]
+    native = subprocess.run([faults, mode], capture_output=True, text=True)
+    assert (native.returncode, native.stdout) == (-signal.SIGSEGV, out)
+    res = record(tmp_path / "d", "--engine", engine, "--", faults, mode)
+    assert (res.returncode, res.stdout) == (128 + signal.SIGSEGV, out), res.stderr
+    trace = branchtrace.open(tmp_path / "d")
+    (tid,) = [t for t in trace.threads if (t == trace.meta["pid"]) == main]
+    end = trace.end(tid)
+    assert end is not None
+    assert (end.call, end.signal, end.access) == ("fault", signal.SIGSEGV, FaultAccess.WRITE)
+    mods = trace.modules(tid)
+    descend = mods.runtime_address("faults", "descend")
+    i = int(mods.index(np.array([end.address], np.uint64))[0])
+    image = mods.image(i)
+    assert image is not None and descend is not None
+    code = image.read(mods.file_address(i, end.address), 16)
+    # its first write below the stack's end: a store into the new frame, or a push
+    assert mods.symbolize(np.array([end.address], np.uint64))[0].startswith("descend+")
+    assert memory_access(code, end.address) == FaultAccess.WRITE
+    blocks = trace.blocks(tid)
+    last = int(blocks.ids[-1])
+    assert blocks.start[last] <= end.address <= blocks.last[last]
+    # the 256 KiB hold descend()'s frames and, below them, main's, the environment, or a
+    # thread's TLS (overflow-altstack counts them exactly)
+    frame = descend_frame(image.read(mods.file_address(i, descend), 32), descend)
+    depth = calls_to(TraceDir.open(tmp_path / "d"), tid, programs["faults"], "descend")
+    assert 3 * OVERFLOW_STACK // 4 // frame < depth <= OVERFLOW_STACK // frame
+    where = r"the program crashed at descend\+0x[0-9a-f]+ \(faults.c:\d+\): SIGSEGV, a write to"
+    assert re.search(where, res.stderr), res.stderr
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_a_stack_overflow_the_program_handles_on_its_own_signal_stack(tmp_path, programs, engine):
+    # the program's handler runs on the program's signal stack, as untraced; the fault is
+    # in the trace before it
+    faults = str(programs["faults"])
+    said = r"overflowed at depth (\d+)\n"
+    native = subprocess.run([faults, "overflow-altstack"], capture_output=True, text=True)
+    assert native.returncode == 4 and re.fullmatch(said, native.stdout)
+    res = record(tmp_path / "d", "--engine", engine, "--", faults, "overflow-altstack")
+    reached = re.fullmatch(said, res.stdout)
+    assert res.returncode == 4 and reached, res.stderr
+    trace = branchtrace.open(tmp_path / "d")
+    tid = trace.meta["pid"]
+    ((block, fault),) = trace.faults(tid)
+    assert (fault.signal, fault.access) == (signal.SIGSEGV, FaultAccess.WRITE)
+    where = trace.modules(tid).symbolize(np.array([fault.address], np.uint64))[0]
+    assert where.startswith("descend+"), where
+    blocks = trace.blocks(tid)
+    assert blocks.start[blocks.ids[block]] <= fault.address <= blocks.last[blocks.ids[block]]
+    # calls with depth 0 to N stored it, and one more if it faulted before storing it
+    calls = calls_to(TraceDir.open(tmp_path / "d"), tid, programs["faults"], "descend")
+    stored = instruction_in(trace.modules(tid), "faults", "descend", "mov dword ptr [rip")
+    assert calls == int(reached[1]) + 1 + (fault.address < stored)
+
+
 @pytest.mark.parametrize("engine", ["stalker", "step"])
 def test_abort_ends_the_trace_at_the_system_call_that_raised_sigabrt(tmp_path, programs, engine):
     res = record(tmp_path / "d", "--engine", engine, "--", str(programs["faults"]), "abort")
@@ -413,12 +506,15 @@ def test_a_handler_of_the_program_is_given_the_pc_of_its_own_instruction(
     tmp_path, programs, engine
 ):
     # Stalker runs a copy of the code: the signal's context held the copy's pc, which no
-    # unwinder or crash reporter knows, and a core dump showed it too
+    # unwinder or crash reporter knows, and a core dump showed it too.  The handler runs
+    # on the thread's stack, as untraced, not on the agent's signal stack, which the
+    # program is not shown
     faults = str(programs["faults"])
+    said = "signal stack: none\nfault in poke\nhandler on the thread's stack\n"
     native = subprocess.run([faults, "where"], capture_output=True, text=True)
-    assert (native.returncode, native.stdout) == (3, "fault in poke\n")
+    assert (native.returncode, native.stdout) == (3, said)
     res = record(tmp_path / "d", "--engine", engine, "--", faults, "where")
-    assert (res.returncode, res.stdout) == (3, "fault in poke\n"), res.stderr
+    assert (res.returncode, res.stdout) == (3, said), res.stderr
 
 
 @pytest.mark.parametrize(
@@ -1844,7 +1940,9 @@ def test_detaching_from_a_program_asleep_in_a_system_call_leaves_nothing_behind(
             target.stdin.close()
         assert target.stdout.readline().strip() == "woke"  # its sleep was not cut short
         assert target.wait(timeout=30) == 0
-        assert target.stdout.read().strip() == "done"
+        # the signal stack the agent armed in the thread, for a stack overflow's FAULT, was
+        # disarmed by the thread, stopped in its sleep: the program never set one
+        assert target.stdout.read().split("\n") == ["signal stack: none", "done", ""]
 
 
 def test_detaching_lets_go_of_threads_asleep_in_each_kind_of_system_call(tmp_path, programs):
@@ -1972,6 +2070,31 @@ def test_attached_with_follow_fork_the_program_it_execs_is_traced_on(tmp_path, p
     assert trace.meta()["processes"][image]["exit_code"] == 0
     assert calls_to(trace, parse_thread_label(image), loop23, "f") == 23
     assert_counts_are_the_records(trace)
+
+
+def test_an_attached_program_that_dumps_core_is_reported_dead(tmp_path, programs):
+    # Frida reports the session gone while the process still dumps core and lets go of its
+    # memory: after an overflow of its 8 MiB stack that took long enough for it to be
+    # taken for a program running on, and "detached from" it
+    def with_core_dumps() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY,) * 2)
+
+    faults = programs["faults"]
+    with attach_target(
+        faults,
+        "overflow-deep",
+        "wait",
+        stdin=subprocess.PIPE,
+        cwd=tmp_path,
+        preexec_fn=with_core_dumps,
+    ) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, "wrap")
+        assert target.wait(timeout=30) == -signal.SIGSEGV
+    for core in tmp_path.glob("core*"):
+        core.unlink()
+    assert status == 128 + signal.SIGSEGV, err
+    assert f"pid {target.pid} was killed by SIGSEGV" in err and "dropped" not in err, err
+    assert re.search(r"the program crashed at descend\+0x[0-9a-f]+ \(faults.c:\d+\)", err)
 
 
 @pytest.mark.parametrize("mode", ["stream", "wrap"])

@@ -5,8 +5,21 @@
    int3   an int3 instruction                 raise  raise(SIGSEGV): sent, not a fault
    recover  poke() faults 3 times under a SIGSEGV handler that siglongjmps back to main,
             which prints "recovered 3" and returns 0
-   where  poke() faults under a SA_SIGINFO handler that says whether the interrupted pc it
-          is given lies in poke ("fault in poke"), then exits 3
+   where  says whether the thread has a signal stack ("signal stack: none"), then poke()
+          faults under a SA_SIGINFO handler that says whether the interrupted pc it is given
+          lies in poke ("fault in poke") and whether it runs on the thread's stack, below the
+          interrupted stack pointer ("handler on the thread's stack"), then exits 3
+   overflow          descend() recurses until the stack overflows (at 256 KiB, its limit
+                     lowered to keep the trace short)
+   overflow-deep     the same on the whole stack (8 MiB, as the limit usually is)
+   overflow-thread   the same in a thread of its own, whose 256 KiB stack ends at a guard
+                     page
+   overflow-altstack under a SA_ONSTACK handler on a signal stack of the program's, which
+                     prints "overflowed at depth N" (the deepest call that stored its
+                     depth) and exits 4
+   overflow-handler  under a handler but no signal stack: the kernel finds no room for the
+                     handler, which would print "handler ran" and exit 5
+   recover-overflow  recover, then overflow
    A second argument: "wait" prints "ready" and reads a line first; "child" has a forked
    child fault, and prints how it ended ("child: signal N" or "child: exit N"). */
 #define _GNU_SOURCE
@@ -15,7 +28,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <ucontext.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -29,13 +45,53 @@ __attribute__((noinline)) int divide(int n) { return n / zero; }
 __attribute__((noinline)) void trap(void) { __builtin_trap(); }
 __attribute__((noinline)) void give_up(void) { abort(); }
 
+volatile int reached;
+
+__attribute__((noinline)) int descend(int depth) {
+  volatile char frame[256];
+  reached = depth;
+  frame[0] = (char)depth;
+  return descend(depth + 1) + frame[0];
+}
+
+static void *descend_in_thread(void *unused) { return (void *)(intptr_t)descend(0); }
+
+static int overflow(void) {
+  struct rlimit stack;
+  getrlimit(RLIMIT_STACK, &stack);
+  stack.rlim_cur = 256 * 1024;
+  setrlimit(RLIMIT_STACK, &stack);
+  return descend(0);
+}
+
+static void say(const char *text, int status) {
+  write(1, text, strlen(text));
+  _exit(status);
+}
+
+static void on_overflow(int sig) {
+  char text[48] = "overflowed at depth ", digits[12];
+  int n = 0, at = strlen(text);
+  for (int left = reached; n == 0 || left > 0; left /= 10)
+    digits[n++] = (char)('0' + left % 10);
+  while (n > 0)
+    text[at++] = digits[--n];
+  text[at] = '\n';
+  text[at + 1] = 0;
+  say(text, 4);
+}
+static void on_overflow_unseen(int sig) { say("handler ran\n", 5); }
+
 static void on_segv(int sig) { siglongjmp(back, sig); }
 
 static void on_segv_where(int sig, siginfo_t *info, void *context) {
   ucontext_t *uc = context;
   unsigned long pc = (unsigned long)uc->uc_mcontext.gregs[REG_RIP];
   unsigned long at = (unsigned long)poke;
+  unsigned long sp = (unsigned long)uc->uc_mcontext.gregs[REG_RSP];
+  unsigned long here = (unsigned long)&at;
   printf("fault %s poke\n", pc >= at && pc < at + 32 ? "in" : "not in");
+  printf("handler %s the thread's stack\n", here < sp && here > sp - 65536 ? "on" : "not on");
   fflush(stdout);
   _exit(3);
 }
@@ -86,11 +142,39 @@ static int fault(const char *mode) {
   if (!strcmp(mode, "raise"))
     raise(SIGSEGV);
   if (!strcmp(mode, "where")) {
+    stack_t ss;
+    sigaltstack(NULL, &ss);
+    printf("signal stack: %s\n", ss.ss_flags & SS_DISABLE ? "none" : "set");
     struct sigaction act = {.sa_sigaction = on_segv_where, .sa_flags = SA_SIGINFO};
     sigaction(SIGSEGV, &act, NULL);
     poke(NULL);
   }
-  if (!strcmp(mode, "recover")) {
+  if (!strcmp(mode, "overflow"))
+    return overflow();
+  if (!strcmp(mode, "overflow-deep"))
+    return descend(0);
+  if (!strcmp(mode, "overflow-thread")) {
+    pthread_t thread;
+    pthread_attr_t attr;
+    void *result;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    pthread_create(&thread, &attr, descend_in_thread, NULL);
+    pthread_join(thread, &result);
+    return 1;
+  }
+  if (!strcmp(mode, "overflow-altstack")) {
+    stack_t ss = {.ss_sp = malloc(65536), .ss_size = 65536};
+    sigaltstack(&ss, NULL);
+    struct sigaction act = {.sa_handler = on_overflow, .sa_flags = SA_ONSTACK};
+    sigaction(SIGSEGV, &act, NULL);
+    return overflow();
+  }
+  if (!strcmp(mode, "overflow-handler")) {
+    signal(SIGSEGV, on_overflow_unseen);
+    return overflow();
+  }
+  if (!strcmp(mode, "recover") || !strcmp(mode, "recover-overflow")) {
     signal(SIGSEGV, on_segv);
     int recovered = 0;
     for (int i = 0; i < 3; i++)
@@ -99,6 +183,11 @@ static int fault(const char *mode) {
       else
         recovered++;
     printf("recovered %d\n", recovered);
+    fflush(stdout);
+    if (!strcmp(mode, "recover-overflow")) {
+      signal(SIGSEGV, SIG_DFL);
+      return overflow();
+    }
     return 0;
   }
   return 1;

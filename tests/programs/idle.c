@@ -1,5 +1,7 @@
 /* An attach target that goes idle: says "ready", waits for a line, calls f exactly 5 times,
-   sleeps SECONDS (8), says "woke", sleeps 2 s more and says "done". */
+   sleeps SECONDS (8), says "woke", sleeps 2 s more, says whether it has a signal stack
+   ("signal stack: none") and "done". */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -17,6 +19,9 @@ int main(int argc, char **argv) {
   puts("woke");
   fflush(stdout);
   sleep(2);
+  stack_t ss;
+  sigaltstack(NULL, &ss);
+  printf("signal stack: %s\n", ss.ss_flags & SS_DISABLE ? "none" : "set");
   puts("done");
   return 0;
 }

@@ -30,13 +30,21 @@ with a time limit is left alone: it wakes within it.
 
 Anything else (a thread inside a call that Stalker's code or the agent made, one asleep in
 a timed call of those) is left as it was, and keeps the agent until it wakes.
+
+A thread moved out of Stalker also gives back the signal stack the agent armed in it (for
+a FAULT on a stack overflow, arm_altstack in stalker_agent.c), which only the thread itself
+can change: stopped, it makes the sigaltstack() call, at the program's own `syscall`
+instruction, and is put back as it was.  Otherwise the program would go on with a signal
+stack it never set, on which its SA_ONSTACK handlers would run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +79,9 @@ STACK_SCAN = 1 << 20
 NOTE_REACH = 2048
 
 MOVED, NATIVE = "moved", "native"
+SIGALTSTACK = 131
+SS_DISABLE = 2
+STACK_T = struct.Struct("<QiiQ")  #: ss_sp, ss_flags (and padding), ss_size
 #: what a ptrace stop does to the call a thread sleeps in (_after_a_stop)
 RESTARTED, REDO, INTERRUPTED = "restarted", "redo", "interrupted"
 
@@ -79,14 +90,17 @@ def let_go(
     pid: int,
     tid: int,
     syscall_address: Callable[[], int | None],
-    done: Callable[[str], bool],
+    done: Callable[[str, bool], bool],
+    signal_stack: Callable[[], int | None] = lambda: None,
     wait: float = 2.0,
 ) -> bool:
     """Let go of thread `tid` of process `pid`, asleep in a system call since the recording
     ended: `syscall_address()` is the program's address of the last system call the
-    thread entered under Stalker (asked with the thread stopped), and `done(MOVED)` or
-    `done(NATIVE)` tells the agent what was found and done, with the thread still stopped.
-    Whether the thread is out of Stalker's code.
+    thread entered under Stalker (asked with the thread stopped), `signal_stack()` the
+    agent's signal stack armed in it, and `done(MOVED, disarmed)` or `done(NATIVE, False)`
+    tells the agent what was found and done, with the thread still stopped (`disarmed`:
+    that signal stack is the thread's no more).  Whether the thread is out of Stalker's
+    code.
 
     ptrace requests must come from the thread that attached, so all of it runs in a thread
     of its own; one that cannot be stopped within `wait` s (an uninterruptible sleep) is let
@@ -94,7 +108,7 @@ def let_go(
     outcome: list[bool] = []
     late = threading.Event()
     worker = threading.Thread(
-        target=lambda: outcome.append(_let_go(pid, tid, syscall_address, done, late)),
+        target=lambda: outcome.append(_let_go(pid, tid, syscall_address, done, signal_stack, late)),
         name=f"bt-let-go-{tid}",
         daemon=True,
     )
@@ -110,7 +124,8 @@ def _let_go(
     pid: int,
     tid: int,
     syscall_address: Callable[[], int | None],
-    done: Callable[[str], bool],
+    done: Callable[[str, bool], bool],
+    signal_stack: Callable[[], int | None],
     late: threading.Event,
 ) -> bool:
     if _after_a_stop(pid, tid)[0] == INTERRUPTED:
@@ -151,11 +166,13 @@ def _let_go(
             address = syscall_address()
             if address is None or not _on_stalkers_copy_of(pid, maps, regs.rip, address):
                 return False
+            stack = signal_stack()
+            disarmed = stack is not None and _disarm_signal_stack(pid, tid, regs, address, stack)
             regs.rip = address if redo else address + len(SYSCALL)
             if redo:
                 regs.rax = number
             pt.setregs(tid, regs)
-            done(MOVED)
+            done(MOVED, disarmed)
             return True
         if maps.path(regs.rip).startswith("/") and not _stack_refers_to_frida(pid, maps, regs.rsp):
             if redo:
@@ -164,7 +181,7 @@ def _let_go(
                 regs.rip -= len(SYSCALL)
                 regs.rax = number
                 pt.setregs(tid, regs)
-            done(NATIVE)
+            done(NATIVE, False)
             return True
         return False
     except Exception:  # a ptrace error, or the agent not answering: the thread stays as it was
@@ -172,6 +189,55 @@ def _let_go(
     finally:
         with contextlib.suppress(OSError):
             pt.call(pt.PTRACE_DETACH, tid, 0, pending)
+
+
+def _disarm_signal_stack(pid: int, tid: int, regs: pt.Regs, syscall_at: int, stack: int) -> bool:
+    """Disarm the agent's signal stack `stack` in thread `tid`, stopped with registers
+    `regs`: the thread calls sigaltstack() at the program's `syscall` at `syscall_at`, with
+    its arguments below its stack's red zone.  Its registers and that memory are put back
+    after (the caller sets the registers it goes on with).  A stack of the program's set
+    since stays.  Whether the agent's was disarmed."""
+    scratch = (regs.rsp - 128 - 2 * STACK_T.size) & ~15
+    old_at = scratch + STACK_T.size
+    try:
+        with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+            fd = mem.fileno()
+            saved = os.pread(fd, 2 * STACK_T.size, scratch)
+            os.pwrite(fd, STACK_T.pack(0, SS_DISABLE, 0, 0) + bytes(STACK_T.size), scratch)
+            try:
+                result = _call_in(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, old_at)
+                old = STACK_T.unpack(os.pread(fd, STACK_T.size, old_at))
+                if result == 0 and old[0] != stack and not old[1] & SS_DISABLE:
+                    os.pwrite(fd, STACK_T.pack(*old), scratch)  # the program's: put back
+                    _call_in(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, 0)
+            finally:
+                os.pwrite(fd, saved, scratch)
+                pt.setregs(tid, regs)
+    except (OSError, struct.error):
+        return False
+    return result == 0 and old[0] == stack
+
+
+def _call_in(pid: int, tid: int, regs: pt.Regs, at: int, number: int, *args: int) -> int:
+    """Have stopped thread `tid` make system call `number` with `args` at the `syscall`
+    instruction at `at`, and stop again after it: its result.  A signal that comes first
+    is sent again, to be delivered once the thread goes, and the call is not made (OSError)."""
+    call = pt.Regs.from_buffer_copy(regs)
+    call.rip, call.rax, call.orig_rax = at, number, 2**64 - 1  # no call to restart
+    for name, value in zip(("rdi", "rsi", "rdx"), args, strict=False):
+        setattr(call, name, value)
+    pt.setregs(tid, call)
+    pt.call(pt.PTRACE_SINGLESTEP, tid)
+    _, status = os.waitpid(tid, pt.WALL)
+    if not os.WIFSTOPPED(status):
+        raise OSError(f"thread {tid} ended")
+    after = pt.getregs(tid)
+    sig = os.WSTOPSIG(status)
+    if sig != signal.SIGTRAP or status >> 16 or after.rip != at + len(SYSCALL):
+        if sig != signal.SIGTRAP and not status >> 16:
+            pt.tgkill(pid, tid, sig)
+        raise OSError(f"thread {tid} stopped elsewhere")
+    return int.from_bytes(after.rax.to_bytes(8, "little"), "little", signed=True)
 
 
 def _after_a_stop(pid: int, tid: int) -> tuple[str, int]:

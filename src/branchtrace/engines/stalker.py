@@ -89,6 +89,8 @@ STOP_TIMEOUT = 30.0
 DETACH_WAIT = 2.0
 #: how often a recording of a running process looks for children stuck on Frida's heap lock
 FORK_CHECK_INTERVAL = 0.25
+#: how long a process found on its way out may take to end (dumping core)
+ENDING_WAIT = 30.0
 #: how long Frida's injector holds a thread stopped inside Frida's recovery from a fork()
 #: before the process counts as frozen there (_ForkCounters._held_by_frida)
 FROZEN_AFTER = 1.0
@@ -377,10 +379,14 @@ def _let_go_asleep(pid: int, agent: _Agent, asleep: list[int]) -> list[int]:
             at = _bounded(exports.asleep_at, tid)
             return int(at) if at else None
 
-        def done(how: str, tid: int = tid) -> bool:
-            return bool(_bounded(exports.let_go_asleep, tid, how))
+        def signal_stack(tid: int = tid) -> int | None:
+            stack = _bounded(exports.signal_stack, tid)
+            return int(stack) if stack else None
 
-        if not let_go(pid, tid, address, done):
+        def done(how: str, disarmed: bool, tid: int = tid) -> bool:
+            return bool(_bounded(exports.let_go_asleep, tid, how, disarmed))
+
+        if not let_go(pid, tid, address, done, signal_stack):
             kept.append(tid)
     return kept
 
@@ -1926,10 +1932,13 @@ class StalkerEngine:
     ) -> None:
         """The session with attached process `pid` ended before the recording did
         (`exec_traced`: by an exec whose new image was traced on, with --follow-fork)."""
-        running = _running(pid)
+        # a process that dumps core, or lets go of its memory, is still there when Frida
+        # reports it gone: one that overflowed its 8 MiB stack read as running on
+        ending = _ending(pid)
+        running = _running(pid) and not ending
         # the watcher reads an exec event before the exit event: once it has the exit
         # status, it knows of any exec
-        status = None if running else watcher.status(pid, timeout=2)
+        status = None if running else watcher.status(pid, ENDING_WAIT if ending else 2)
         called_exec = reason == "process-replaced" or pid in watcher.execs
         if called_exec:
             result.execd = True
@@ -2063,6 +2072,15 @@ def _tasks(pid: int) -> list[int]:
         return sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
     except OSError:
         return []
+
+
+def _ending(pid: int) -> bool:
+    """Whether process `pid` is on its way out: dumping core, or without its memory."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nCoreDumping:\t1" in status or "\nCoreDumping:" not in status
 
 
 def _running(pid: int) -> bool:

@@ -99,7 +99,20 @@ typedef struct {
   uint64_t syscall_at;   /* the program's system call instruction the thread last entered */
   struct BtCopyChunk *copies; /* where its blocks' instructions are in Stalker's copy */
   int handlers_running;  /* signal handlers entered and not returned from (bt_on_longjmp) */
+  int altstack_tried;    /* arm_altstack() has run on the thread */
+  uint8_t *altstack;     /* the signal stack it armed for the thread, or NULL */
 } BtThread;
+
+/* The agent's signal stacks (arm_altstack): 64 KiB above a guard page. */
+#define BT_ALTSTACK_SIZE (64 * 1024)
+#define BT_GUARD 4096
+#define BT_SS_DISABLE 2
+#define BT_SS_AUTODISARM (1U << 31)
+typedef struct {
+  void *sp;
+  int flags;
+  uint64_t size;
+} BtStack; /* the kernel's stack_t */
 
 /* Where each instruction of a block went in Stalker's copy of the code (the thread's code
    cache), so that a fault, whose pc is in the copy, names the program's instruction
@@ -609,12 +622,24 @@ uint64_t bt_thread_asleep_at(BtThread *t) {
   return t->syscall_at;
 }
 
+/* The agent's signal stack armed in the thread (arm_altstack), or 0, for the host, which
+   disarms it in a thread it moves out of Stalker asleep (asleep.py). */
+uint64_t bt_thread_altstack(BtThread *t) {
+  return (uint64_t)t->altstack;
+}
+
 /* The host has let go of the thread, stopped asleep in a system call (asleep.py): it moved
    it out of Stalker's code (`moved`: Stalker may free what it keeps for the thread, as once
    it leaves by itself), or found it in the program's own code with nothing of Frida's on
    its stack.  Either way it runs no more compiled code, and its mappings go.  Whether
-   Stalker's context for it was let go of too (`moved`), or 1. */
-int bt_thread_let_go_asleep(BtThread *t, int moved) {
+   Stalker's context for it was let go of too (`moved`), or 1.  `disarmed`: the host
+   disarmed the agent's signal stack in the thread, which the thread cannot do itself
+   (disarm_altstack), and it goes too; else it stays armed, with its memory. */
+int bt_thread_let_go_asleep(BtThread *t, int moved, int disarmed) {
+  if (disarmed && t->altstack != NULL) {
+    munmap(t->altstack - BT_GUARD, BT_GUARD + BT_ALTSTACK_SIZE);
+    t->altstack = NULL;
+  }
   if (t->left)
     return 1;
   t->left = 1;
@@ -644,6 +669,97 @@ void bt_thread_gap(BtThread *t, uint32_t reason) {
   write_gap(t, reason);
   refill(t);
   leave_c(t);
+}
+
+/* A stack overflow left no room for the kernel's signal frame on the thread's stack: it
+   killed the process at once, on_fault() never ran, and the trace ended "within" the last
+   block.  So each traced thread to which the program gave no signal stack gets one of the
+   agent's, armed as the thread compiles its first block, on which on_fault() runs and
+   writes the FAULT.  SS_AUTODISARM: a handler entered on it disarms it until it returns, so
+   a signal inside that handler lands on the stack the handler runs on, as without it.  The
+   program's handlers do not run there (run_on_thread_stack): to the program the thread has
+   no signal stack, as before. */
+
+static int on_altstack(const BtThread *t) {
+  uint8_t here;
+  return t->altstack != NULL && &here >= t->altstack && &here < t->altstack + BT_ALTSTACK_SIZE;
+}
+
+/* The agent's signal stack that a thread has, by its memory: its own, or in a forked child
+   its parent's thread's (the child inherits the setting and a copy of the memory). */
+static uint8_t *agents_altstack(const void *sp) {
+  for (int i = 0; i < STATE->nthreads; i++)
+    if (STATE->threads[i] != NULL && STATE->threads[i]->altstack == sp && sp != NULL)
+      return (uint8_t *)sp;
+  return NULL;
+}
+
+static void arm_altstack(BtThread *t) {
+  if ((uint32_t)syscall(186 /* gettid */) != t->tid)
+    return; /* attached: Stalker compiles the first block where the thread was followed from */
+  t->altstack_tried = 1;
+  BtStack now;
+  if (syscall(131 /* sigaltstack */, NULL, &now) != 0 || !(now.flags & BT_SS_DISABLE))
+    return; /* the program's own */
+  uint8_t *area = mmap(NULL, BT_GUARD + BT_ALTSTACK_SIZE, 3 /* PROT_READ|WRITE */,
+                       0x22 | 0x4000 /* PRIVATE|ANONYMOUS|NORESERVE */, -1, 0);
+  if (area == (uint8_t *)-1)
+    return;
+  syscall(10 /* mprotect */, area, BT_GUARD, 0 /* PROT_NONE: what overflows it faults */);
+  BtStack mine = {area + BT_GUARD, BT_SS_AUTODISARM, BT_ALTSTACK_SIZE};
+  if (syscall(131, &mine, NULL) != 0) {
+    munmap(area, BT_GUARD + BT_ALTSTACK_SIZE);
+    return;
+  }
+  t->altstack = area + BT_GUARD;
+}
+
+/* The thread is done with the agent (it exits, or leaves Stalker for good): its signal
+   stack is disarmed and goes.  Not while something runs on it, and not when the program
+   has set its own since, which may hand the agent's back later (unless the thread ends). */
+static void disarm_altstack(BtThread *t, int ended) {
+  BtStack now, off = {NULL, BT_SS_DISABLE, 0};
+  if (t->altstack == NULL || on_altstack(t) || syscall(131, NULL, &now) != 0)
+    return;
+  if (now.sp == t->altstack ? syscall(131, &off, NULL) != 0 : !ended)
+    return;
+  munmap(t->altstack - BT_GUARD, BT_GUARD + BT_ALTSTACK_SIZE);
+  t->altstack = NULL;
+}
+
+/* A handler entered on the agent's stack disarmed it (SS_AUTODISARM), and one that leaves
+   by siglongjmp() does not arm it again as a return would: armed again, unless the
+   program has set a stack of its own meanwhile. */
+static void rearm_altstack(BtThread *t) {
+  BtStack now, mine = {t->altstack, BT_SS_AUTODISARM, BT_ALTSTACK_SIZE};
+  if (t->altstack != NULL && !on_altstack(t) && syscall(131, NULL, &now) == 0 &&
+      (now.flags & BT_SS_DISABLE))
+    syscall(131, &mine, NULL);
+}
+
+/* Before a sigaltstack() system call (put_syscall_checks): the program is not shown the
+   agent's stack.  Asked which it has, it is told none, as without the agent (Rust's
+   runtime, shown one, set none of its own, and its handler, run on the thread's stack,
+   could not say that the stack overflowed); one it sets takes the agent's place.  The old
+   stack is written here, and the call itself writes none (when it fails, that is written
+   all the same). */
+static void on_sigaltstack(GumCpuContext *cpu, gpointer user_data) {
+  BtThread *t = user_data;
+  BtStack now, none = {NULL, BT_SS_DISABLE, 0};
+  uint64_t local[2] = {(uint64_t)&none, sizeof none}, remote[2] = {cpu->rsi, sizeof none};
+  if (cpu->rsi != 0 && t->altstack != NULL && syscall(131, NULL, &now) == 0 &&
+      now.sp == t->altstack &&
+      syscall(311 /* process_vm_writev */, getpid(), local, 1, remote, 1, 0) == sizeof none)
+    cpu->rsi = 0;
+}
+
+/* In a forked child, which runs on untraced: the parent's signal stack it inherited goes. */
+static void disarm_inherited_altstack(void) {
+  BtStack now, off = {NULL, BT_SS_DISABLE, 0};
+  uint8_t *inherited;
+  if (syscall(131, NULL, &now) == 0 && (inherited = agents_altstack(now.sp)) != NULL &&
+      syscall(131, &off, NULL) == 0)
+    munmap(inherited - BT_GUARD, BT_GUARD + BT_ALTSTACK_SIZE);
 }
 
 /* fork(): Frida Stalker cannot take a thread through fork() (the child dies at once), so
@@ -677,6 +793,7 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
       if (STATE->threads[i] != NULL)
         bt_thread_forget(STATE->threads[i]);
     bt_release_faults(); /* Frida frees this code in the child */
+    disarm_inherited_altstack();
     return;
   }
   if (!in_forked_child())
@@ -830,6 +947,8 @@ static void release_thread(BtThread *t, int ended) {
       munmap(t->copies, BT_COPY_CHUNK);
       t->copies = prev;
     }
+  if ((uint32_t)syscall(186 /* gettid */) == t->tid)
+    disarm_altstack(t, ended);
   if (t->cs_insn != NULL)
     cs_free(t->cs_insn, 1);
   t->cs_insn = NULL;
@@ -1067,6 +1186,7 @@ void bt_on_longjmp(GumInvocationContext *ic) {
   if (t == NULL || t->handlers_running == 0)
     return;
   t->handlers_running = 0;
+  rearm_altstack(t);
   bt_thread_gap(t, BT_GAPREASON_LEFT_HANDLER);
   write_block_far(t, (uint64_t)ic->function); /* what the hook ran relocated (bt_on_tls_dtors) */
   bt_follow_again();
@@ -1195,6 +1315,60 @@ static uint64_t write_fault(int sig, const uint8_t *info, const uint8_t *uc) {
   return range != NULL ? 0 : ip;
 }
 
+/* handler(sig, info, uc) called with its stack pointer at `sp`. */
+extern void bt_call_on_stack(void *handler, long sig, void *info, void *uc, uint64_t sp);
+__asm__(".text\n"
+        ".globl bt_call_on_stack\n"
+        "bt_call_on_stack:\n"
+        "  push %rbp\n"
+        "  mov %rsp, %rbp\n"
+        "  mov %r8, %rsp\n"
+        "  mov %rdi, %rax\n"
+        "  mov %rsi, %rdi\n"
+        "  mov %rdx, %rsi\n"
+        "  mov %rcx, %rdx\n"
+        "  call *%rax\n"
+        "  mov %rbp, %rsp\n"
+        "  pop %rbp\n"
+        "  ret\n");
+
+#define UC_STACK 16 /* uc_stack: the signal stack as the signal found it */
+#define UC_RSP 160  /* uc_mcontext.gregs[REG_RSP] */
+
+/* Whether a fault is the stack's overflow: SIGSEGV at an address near the stack pointer,
+   unmapped (the gap below the main thread's stack) or a guard page (a thread's). */
+static int overflowed(int sig, const uint8_t *info, uint64_t rsp, uint64_t sp) {
+  int32_t code = *(const int32_t *)(info + 8);
+  uint64_t address = *(const uint64_t *)(info + 16);
+  return sig == 11 && (code == 1 /* SEGV_MAPERR */ || code == 2 /* SEGV_ACCERR */) &&
+         address + 65536 >= sp && address < rsp + 65536;
+}
+
+/* The program's handler (behind Frida's) runs where the kernel would have run it on a
+   thread without a signal stack: on the thread's stack below the interrupted one's red
+   zone, by the signal frame's size.  When there is no room there because the stack
+   overflowed, the kernel would have killed the process with SIGSEGV instead, and so it is
+   (0 returned): at the program's instruction, which faults again as the handler returns,
+   or by SIGSEGV raised now and delivered then.  A stack not yet grown that far grows as
+   the handler runs, as it would have for the frame. */
+static int run_on_thread_stack(const BtSigaction *chained, int sig, uint8_t *info,
+                               uint8_t *uc, const uint8_t *altstack) {
+  uint64_t rsp = *(const uint64_t *)(uc + UC_RSP);
+  uint64_t frame = (uint64_t)(altstack + BT_ALTSTACK_SIZE) - ((uint64_t)uc - 8);
+  uint64_t sp = (rsp - 128 - frame) & ~15ULL;
+  uint8_t probe;
+  if (read_safely((const void *)(sp - 8), &probe, 1) || !overflowed(sig, info, rsp, sp)) {
+    bt_call_on_stack(chained->handler, sig, info, uc, sp);
+    return 1;
+  }
+  BtSigaction dfl = *chained;
+  dfl.handler = (void *)0 /* SIG_DFL */;
+  syscall(13 /* rt_sigaction */, 11 /* SIGSEGV */, &dfl, NULL, 8);
+  if (!raised_again(sig, *(const int32_t *)(info + 8)))
+    syscall(234 /* tgkill */, getpid(), syscall(186 /* gettid */), 11);
+  return 0;
+}
+
 /* The handlers after on_fault() see the program's instruction in the signal's context,
    not Stalker's copy of it: a crash handler's backtrace() got 2 frames instead of 7, as no
    unwinder knows the copy.  A process that dies of the signal dies there too (a core dump
@@ -1209,11 +1383,19 @@ static void on_fault(int sig, void *info, void *uc) {
   while (fault_signals[i] != sig)
     i++;
   BtSigaction *chained = &STATE->chained[i];
+  const BtStack *delivered_on = (const BtStack *)((uint8_t *)uc + UC_STACK);
+  uint8_t *altstack = agents_altstack(delivered_on->sp);
+  uint8_t here;
+  if (altstack != NULL && (&here < altstack || &here >= altstack + BT_ALTSTACK_SIZE))
+    altstack = NULL; /* not on it: the signal came as the thread was already on a stack */
   if (chained->handler == (void *)0 /* SIG_DFL */)
     syscall(13 /* rt_sigaction */, sig, chained, NULL, 8);
   else if (chained->handler == (void *)1 /* SIG_IGN */)
     ;
-  else if (chained->flags & 4 /* SA_SIGINFO */)
+  else if (altstack != NULL) {
+    if (!run_on_thread_stack(chained, sig, info, uc, altstack))
+      return;
+  } else if (chained->flags & 4 /* SA_SIGINFO */)
     ((void (*)(int, void *, void *))chained->handler)(sig, info, uc);
   else
     ((void (*)(int))chained->handler)(sig);
@@ -1251,7 +1433,7 @@ void bt_catch_faults(void) {
     STATE->chained[i] = old;
     mine = old;
     mine.handler = (void *)on_fault;
-    mine.flags |= 4 /* SA_SIGINFO */;
+    mine.flags |= 4 /* SA_SIGINFO */ | 0x08000000 /* SA_ONSTACK: the agent's (arm_altstack) */;
     if (syscall(13, fault_signals[i], &mine, NULL, 8) == 0)
       STATE->faults_taken |= 1ULL << i;
   }
@@ -1859,6 +2041,8 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
             (gconstpointer)(address | (1ULL << 62)));
   put_check(iterator, cw, t, 436 /* close_range */, on_close_range, go,
             (gconstpointer)(address | (1ULL << 61)));
+  put_check(iterator, cw, t, 131 /* sigaltstack */, on_sigaltstack, go,
+            (gconstpointer)(address | (1ULL << 58)));
   put_check(iterator, cw, t, 59 /* execve */, on_exec_syscall, go,
             (gconstpointer)(address | (1ULL << 60)));
   put_check(iterator, cw, t, 322 /* execveat */, on_exec_syscall, go,
@@ -1897,6 +2081,8 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     return;
   }
   widen_inline_cache(iterator);
+  if (!t->altstack_tried && STATE->faults_taken != 0)
+    arm_altstack(t);
   t->exec_ctx = *(uint8_t **)iterator; /* GumStalkerIterator.exec_context (context_to_let_go) */
   while (gum_stalker_iterator_next(iterator, &insn)) {
     if (first && is_frida_code(insn->address)) {

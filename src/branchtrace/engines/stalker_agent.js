@@ -206,8 +206,9 @@ const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'poi
 const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
 const threadLetGo = new NativeFunction(cm.bt_thread_let_go, 'int', ['pointer']);
 const threadAsleepAt = new NativeFunction(cm.bt_thread_asleep_at, 'uint64', ['pointer']);
+const threadAltstack = new NativeFunction(cm.bt_thread_altstack, 'uint64', ['pointer']);
 const threadLetGoAsleep = new NativeFunction(cm.bt_thread_let_go_asleep, 'int',
-  ['pointer', 'int']);
+  ['pointer', 'int', 'int']);
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', 'pointer']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
@@ -685,12 +686,20 @@ rpc.exports = {
     const t = asleepThreads.get(tid);
     return t === undefined ? null : threadAsleepAt(t).toString();
   },
-  // The host has let go of thread `tid`, stopped asleep: `how` is 'moved' (out of Stalker's
-  // code) or 'native' (it was in the program's own code).  Whether Stalker's context for
-  // the thread was let go of too (bt_thread_let_go_asleep).
-  letGoAsleep(tid, how) {
+  // The agent's signal stack armed in that thread (a string), or null (bt_thread_altstack).
+  signalStack(tid) {
     const t = asleepThreads.get(tid);
-    return t !== undefined && threadLetGoAsleep(t, how === 'moved' ? 1 : 0) === 1;
+    const stack = t === undefined ? uint64(0) : threadAltstack(t);
+    return stack.equals(0) ? null : stack.toString();
+  },
+  // The host has let go of thread `tid`, stopped asleep: `how` is 'moved' (out of Stalker's
+  // code) or 'native' (it was in the program's own code); `disarmed`: it disarmed the
+  // agent's signal stack there.  Whether Stalker's context for the thread was let go of too
+  // (bt_thread_let_go_asleep).
+  letGoAsleep(tid, how, disarmed) {
+    const t = asleepThreads.get(tid);
+    return t !== undefined &&
+      threadLetGoAsleep(t, how === 'moved' ? 1 : 0, disarmed ? 1 : 0) === 1;
   },
   // Ends the trace and lets go of the threads, before child gating goes off; stop() does
   // the rest.
