@@ -331,29 +331,21 @@ def test_a_child_frozen_before_frida_reported_it_is_killed_so_its_parent_goes_on
         target.communicate()
 
 
-@pytest.mark.parametrize("earlier_child", ["traced", "killed frozen before reported"])
-def test_a_child_given_an_earlier_childs_id_is_let_go_untraced_and_the_earlier_one_kept(
-    earlier_child,
-):
+def test_a_child_given_the_id_of_one_killed_frozen_is_let_go_untraced_and_that_one_kept():
+    # meta.json keeps the ending of a child killed frozen under its pid; a child given an
+    # earlier traced child's pid is traced under a key of its own (test_record.py)
     frida, errors = FakeFrida(), []
     with ExitWatcher() as watcher:
         follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
-        earlier = (object(), None)
-        if earlier_child == "traced":
-            follower.children[4242], follower.parents[4242] = earlier, 100
-        else:
-            follower.killed[4242] = 100
+        follower.killed[4242] = 100
         # Frida reports a new child with that id: no attach (FakeFrida has none)
         follower._trace(SimpleNamespace(pid=4242, parent_pid=200, origin="fork"))
         follower._queue.put(None)  # the worker's end
-    if earlier_child == "traced":
-        assert follower.children[4242] is earlier and follower.parents[4242] == 100
-    else:
-        assert 4242 not in follower.children and follower.killed == {4242: 100}
+    assert 4242 not in follower.children and follower.killed == {4242: 100}
     assert follower.untraced == {}
     assert frida.resumed == [4242]
     assert errors == [
-        "forked child 4242 of pid 200 is not traced: id 4242 was an earlier thread's of this "
-        "recording, whose trace is kept (the kernel reuses ids once they reach "
+        "forked child 4242 of pid 200 is not traced: id 4242 was that of a child killed frozen "
+        "earlier in this recording (the kernel reuses ids once they reach "
         "/proc/sys/kernel/pid_max)"
     ]

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -774,6 +774,44 @@ def test_threads_given_the_ids_of_earlier_threads_are_traced_as_threads_of_their
     assert "nothing" in calls.stdout
     info = subprocess.run([*BT, "info", str(out)], capture_output=True, text=True)
     assert f"T{label}.bts" in info.stdout
+
+
+@pytest.mark.skipif(not _pid_max_per_namespace(), reason="needs pid_max per pid namespace")
+def test_forked_children_given_the_pids_of_earlier_ones_are_traced_as_processes_of_their_own(
+    tmp_path, programs
+):
+    # a child given an earlier child's pid (pids wrap at pid_max) was not traced, with a
+    # warning.  In a pid namespace of its own with pid_max 330, pids wrap every few children
+    # (each takes a few more for Frida's threads in it).
+    rounds = 36
+    forkloop, out = programs["forkloop"], tmp_path / "d"
+    argv = [*BT, "record", "-o", str(out), "--follow-fork", "--"]
+    script = "echo 330 > /proc/sys/kernel/pid_max && exec " + shlex.join(
+        [*argv, str(forkloop), str(rounds), "0"]
+    )
+    res = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout.split()[-1] == str(rounds), res.stderr
+    assert "not traced" not in res.stderr, res.stderr
+    trace = TraceDir.open(out)
+    meta = trace.meta()
+    children = [parse_thread_label(label) for label in meta["processes"]]
+    again = [key for key in children if key >= GENERATION]
+    assert len(children) == rounds and len({thread_id(key) for key in children}) < rounds
+    assert again, meta["processes"]
+    for key in children:
+        assert meta["processes"][thread_label(key)]["ppid"] == meta["pid"]
+        assert calls_to(trace, key, forkloop, "f") == 7, thread_label(key)
+    assert calls_to(trace, meta["pid"], forkloop, "round_done") == rounds
+    # the views name it pid#2 and take that for --tid
+    label = thread_label(again[0])
+    calls = subprocess.run([*BT, "calls", str(out), "--tid", label], capture_output=True, text=True)
+    assert calls.returncode == 0 and f"thread {label}" in calls.stdout, calls.stderr
+    assert calls.stdout.count(" f  forkloop.c") == 7, calls.stdout
 
 
 def test_stream_of_100m_branches_loses_nothing(tmp_path, programs):
@@ -1708,6 +1746,39 @@ def test_the_tool_killed_after_a_childs_exec_leaves_the_program_running(tmp_path
     assert calls_to(trace, pid, programs["spawn"], "after") > 3
     info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
     assert info.returncode == 0 and ".spare" not in info.stdout, info.stdout + info.stderr
+
+
+def test_the_exit_watcher_tells_apart_processes_that_had_the_same_pid():
+    # pids wrap at pid_max: a status asked for a pid was the last process's to have it, and
+    # an exec of a later one was taken for the earlier one's (and took its exit away)
+    from branchtrace.engines.procevents import ExitWatcher
+
+    def forked(then: Callable[[], None]) -> int:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                then()
+            finally:
+                os._exit(3)
+        os.waitpid(pid, 0)
+        return pid
+
+    watcher = ExitWatcher()
+    try:
+        for _ in range(20):
+            first = forked(lambda: None)  # exits 3
+            between = time.monotonic_ns()
+            Path("/proc/sys/kernel/ns_last_pid").write_text(str(first - 1))
+            second = forked(lambda: os.execv("/bin/sh", ["sh", "-c", "exit 5"]))
+            if second == first:
+                break
+        else:
+            pytest.skip("another process took the pid each time")
+        assert watcher.status(first, timeout=5) == 3 << 8
+        assert watcher.status(first, timeout=5, since=between) == 5 << 8
+        assert not watcher.execed(first) and watcher.execed(first, since=between)
+    finally:
+        watcher.close()
 
 
 def test_the_exit_watcher_knows_of_an_exec_once_it_has_the_exit_status():

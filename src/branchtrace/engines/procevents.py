@@ -4,6 +4,10 @@ Frida's own child watch reaps a spawned program, and whoever reaps first gets it
 status.  The connector reports every exit, with the status, before any reaping, so the
 recorder learns how the program ended without racing anyone.  It needs CAP_NET_ADMIN
 (root); without it `ExitWatcher.available` is False and callers fall back to waitid.
+
+The kernel hands a pid out again once pids reach pid_max, so each event keeps its time
+(CLOCK_MONOTONIC, as time.monotonic_ns()): a caller asks for the process that had a pid
+from a given time on.
 """
 
 from __future__ import annotations
@@ -19,19 +23,23 @@ _NETLINK_CONNECTOR = 11
 _CN_IDX_PROC = 1
 _CN_VAL_PROC = 1
 _PROC_CN_MCAST_LISTEN = 1
+_PROC_EVENT_FORK = 0x00000001
 _PROC_EVENT_EXEC = 0x00000002
 _PROC_EVENT_EXIT = 0x80000000
 _NLMSG_HDR = 16
 _SO_RCVBUFFORCE = 33  # not in Python's socket module
 _CN_MSG_HDR = 20
+#: exits (and execs) kept per pid, the newest: one per process that had it
+_EXITS_KEPT = 8
 
 
 class ExitWatcher:
     """Collects the wait statuses of exiting processes; start it before the process runs."""
 
     def __init__(self) -> None:
-        self._statuses: dict[int, int] = {}
-        self.execs: set[int] = set()  #: pids that called exec
+        self._exits: dict[int, list[tuple[int, int]]] = {}  #: pid -> [(time, status)]
+        self._born: dict[int, int] = {}  #: pid -> when the process that has it now forked
+        self.execs: dict[int, list[int]] = {}  #: pids that called exec -> when
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
         try:
@@ -68,26 +76,52 @@ class ExitWatcher:
                 event = off + _NLMSG_HDR + _CN_MSG_HDR
                 if length < _NLMSG_HDR or event + 32 > len(data):
                     break
-                what = struct.unpack_from("I", data, event)[0]
-                if what == _PROC_EVENT_EXEC:
-                    # exec reports an "exit" of the old thread-group leader first: forget it
+                what, _cpu, when = struct.unpack_from("IIQ", data, event)
+                if what == _PROC_EVENT_FORK:
+                    pid, tgid = struct.unpack_from("II", data, event + 24)
+                    if pid == tgid:  # a process, not a thread
+                        with self._cond:
+                            self._born[pid] = when
+                elif what == _PROC_EVENT_EXEC:
                     pid, tgid = struct.unpack_from("II", data, event + 16)
                     with self._cond:
-                        self.execs.add(tgid)
-                        self._statuses.pop(tgid, None)
+                        execs = self.execs.setdefault(tgid, [])
+                        execs.append(when)
+                        del execs[:-_EXITS_KEPT]
+                        # an exec from a thread other than the leader reports an "exit" of
+                        # the leader first: forgotten (one of an earlier process with that
+                        # pid is older than this one)
+                        exits = self._exits.get(tgid)
+                        if exits and exits[-1][0] >= self._born.get(tgid, 0):
+                            exits.pop()
                 elif what == _PROC_EVENT_EXIT:
                     pid, tgid, code, _sig = struct.unpack_from("IIII", data, event + 16)
                     if pid == tgid:
                         with self._cond:
-                            self._statuses[pid] = code
+                            exits = self._exits.setdefault(pid, [])
+                            exits.append((when, code))
+                            del exits[:-_EXITS_KEPT]
                             self._cond.notify_all()
                 off += (length + 3) & ~3
 
-    def status(self, pid: int, timeout: float) -> int | None:
-        """The wait status (as os.waitpid gives it) of `pid`, once it has exited."""
+    def status(self, pid: int, timeout: float, since: int = 0) -> int | None:
+        """The wait status (as os.waitpid gives it) of `pid`, once it has exited: of the
+        process that had that pid at `since` (time.monotonic_ns()) or first after."""
         with self._cond:
-            self._cond.wait_for(lambda: pid in self._statuses, timeout)
-            return self._statuses.get(pid)
+            if self.available:
+                self._cond.wait_for(lambda: self._exit(pid, since) is not None, timeout)
+            found = self._exit(pid, since)
+            return None if found is None else found[1]
+
+    def execed(self, pid: int, since: int = 0) -> bool:
+        """Whether the process that had `pid` at `since` or first after called exec."""
+        with self._cond:
+            end = self._exit(pid, since)
+            until = end[0] if end is not None else 1 << 64
+            return any(since <= when < until for when in self.execs.get(pid, ()))
+
+    def _exit(self, pid: int, since: int) -> tuple[int, int] | None:
+        return next((e for e in self._exits.get(pid, ()) if e[0] >= since), None)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -559,7 +559,7 @@ class _Agent:
 
 #: a thread or child given the id of an earlier one of the recording
 _REUSED_ID = (
-    "id {} was an earlier thread's of this recording, whose trace is kept (the kernel reuses "
+    "id {} was that of a child killed frozen earlier in this recording (the kernel reuses "
     "ids once they reach /proc/sys/kernel/pid_max)"
 )
 
@@ -674,7 +674,7 @@ class _Recording:
         `init`: a spawned program's init_offset, where tracing starts.  `before`: what the
         process had open before Frida came in (_open_files); `forked_from`: else, the
         parent of the forked child it is.  `key`: the process's key in the recording, when
-        it is not `pid` (an exec'ed image)."""
+        it is not `pid` (an exec'ed image, a child given an earlier process's pid)."""
         agent = _Agent(pid, key)
         if spawn and key is None:
             self.init = init
@@ -1159,6 +1159,10 @@ class _ForkFollower:
         #: the pid itself until it calls exec, then "pid#2", ...
         self.image: dict[int, int] = {}
         self.exec_of: dict[int, int] = {}  #: the image each exec'ed one replaced, by key
+        #: when each image was taken up (time.monotonic_ns()), by key: its pid may have been
+        #: an earlier process's, whose exit the watcher knows too
+        self.since: dict[int, int] = {}
+        self.started: dict[int, int | None] = {}  #: its process's start time, by key
         #: children made by posix_spawn(), system(), popen(), by key: their program
         self.spawned: dict[int, str] = {}
         #: children whose session Frida dropped while they ran on, and why
@@ -1202,6 +1206,7 @@ class _ForkFollower:
         if agent is not None:
             self._agents[session] = agent
         self.image.setdefault(pid, pid)
+        self.started.setdefault(self.image[pid], _start_time(pid))
         session.enable_child_gating()
         self._gating.append(session)
         self._watched.add(pid)
@@ -1212,23 +1217,22 @@ class _ForkFollower:
 
     def _trace(self, child: Any) -> None:
         pid = int(child.pid)
-        if child.origin == "exec" and pid in self.image:
-            self._trace_image(pid, child)
+        current = self._current(pid)
+        if child.origin == "exec" and current is not None:
+            self._trace_image(pid, child, current)
             return
-        if child.origin in ("exec", "spawn") and pid not in self.children:
+        if child.origin in ("exec", "spawn") and current is None:
             parent = _parent_of(pid)
-            if parent in self.image and parent in self._watched:
+            if parent in self._watched and self._current(parent) is not None:
                 # made by posix_spawn(), system() or popen() in a process of ours: it shares
                 # its parent's memory until its exec, and comes to us as that exec
-                self.parents[pid] = parent
-                self._trace_image(pid, child)
+                self._trace_image(pid, child, None, parent)
                 return
-        reused = pid in self.children or pid in self.killed
-        if child.origin != "fork" or reused:
+        if child.origin != "fork" or pid in self.killed:
             # an exec'ed or spawned image, not a fork of our program (a traced child that
-            # calls exec is reported again, under its id); or a child given an earlier
-            # child's id (ids wrap at pid_max), whose trace and ending are kept
-            if reused and child.origin == "fork":
+            # calls exec is reported again, under its id); or a child given the pid of one
+            # killed frozen, which its ending in meta.json keeps
+            if child.origin == "fork":
                 self.rec._error(
                     f"forked child {pid} of pid {child.parent_pid} is not traced: "
                     + _REUSED_ID.format(pid)
@@ -1236,16 +1240,23 @@ class _ForkFollower:
             with contextlib.suppress(Exception):
                 self.device.resume(pid)
             return
-        self.parents[pid] = int(child.parent_pid)
-        self.image[pid] = pid
-        self._take_up(pid, pid, f"forked child {pid}")
+        # a child given the pid of an earlier process of the recording (pids wrap at
+        # pid_max) is traced under a key of its own, "pid#2" (as an exec'ed image is): the
+        # earlier one's trace and ending are kept
+        with self.rec.lock:  # the key add_thread gives its first thread
+            key = thread_key(pid, self.rec.ids_seen.get(pid, 0))
+        self.parents[key] = int(child.parent_pid)
+        self.image[pid] = key
+        self._take_up(pid, key, f"forked child {thread_label(key)}")
 
-    def _trace_image(self, pid: int, child: Any) -> None:
-        """Process `pid` called exec: one of ours, or a child one of ours made with
-        posix_spawn() (which runs no code of its own before).  Frida holds the new image at
-        its start, as a spawned program; it is traced from its _init (or main) as one, with
-        its own agent and rings, under a key of its own ("pid#2" after an image of ours)."""
-        old = self.image.get(pid)
+    def _trace_image(
+        self, pid: int, child: Any, old: int | None, parent: int | None = None
+    ) -> None:
+        """Process `pid` called exec: one of ours, whose image was `old`, or (`parent`) a
+        child one of ours made with posix_spawn() (which runs no code of its own before).
+        Frida holds the new image at its start, as a spawned program; it is traced from its
+        _init (or main) as one, with its own agent and rings, under a key of its own
+        ("pid#2" after an image of ours)."""
         with self.rec.lock:  # the key add_thread gives the image's first thread
             key = thread_key(pid, self.rec.ids_seen.get(pid, 0))
         self.image[pid] = key
@@ -1253,11 +1264,23 @@ class _ForkFollower:
         if old is not None:
             self.exec_of[key] = old
             self.exec_images[old] = exe
+            if old in self.parents:
+                self.parents[key] = self.parents[old]
         else:
             self.spawned[key] = exe
-        if old in self.parents:
-            self.parents[key] = self.parents[old]
+            if parent is not None:
+                self.parents[key] = parent
         self._take_up(pid, key, f"{Path(exe).name} (pid {pid}, from its exec)", Path(exe))
+
+    def _current(self, pid: int) -> int | None:
+        """The key of the image that process `pid` runs, if it is one of ours: not an
+        earlier process of the recording that had the pid (a process keeps its start time
+        through exec)."""
+        key = self.image.get(pid)
+        if key is None:
+            return None
+        started = self.started.get(key)
+        return key if started is None or started == _start_time(pid) else None
 
     def _take_up(self, pid: int, key: int, what: str, image: Path | None = None) -> None:
         """Trace process `pid`, which Frida holds, under `key`, then let it run: a forked
@@ -1265,6 +1288,8 @@ class _ForkFollower:
         image from its start, as a spawned program.  A failure leaves it untraced, named
         as `what` in a warning."""
         before = set(_open_files(pid).values()) if image else None  # before Frida's own
+        self.since[key] = time.monotonic_ns()
+        self.started[key] = _start_time(pid)
         session = agent = None
         try:
             session = self.device.attach(pid)
@@ -1273,7 +1298,7 @@ class _ForkFollower:
             self.watch(session, pid)
             if image is None:
                 agent = self.rec.load_agent(
-                    session, pid, False, None, park=False, forked_from=self.parents[key]
+                    session, pid, False, None, park=False, forked_from=self.parents[key], key=key
                 )
             else:
                 agent = self.rec.load_agent(
@@ -1309,7 +1334,15 @@ class _ForkFollower:
 
     def _superseded(self, key: int) -> bool:
         """Whether the image `key` exec'ed another, which is traced under a key of its own."""
-        return self.image.get(thread_id(key)) != key
+        return key in self.exec_of.values()
+
+    def _status(self, key: int, timeout: float) -> int | None:
+        """The wait status of the process of image `key`, once it has exited."""
+        return self.watcher.status(thread_id(key), timeout, self.since.get(key, 0))
+
+    def _ended(self, key: int) -> bool:
+        """Whether the process of image `key` has exited (as far as is known now)."""
+        return key in self.ended or self._status(key, 0) is not None
 
     def _on_detached(self, key: int, reason: str) -> None:
         if reason == "process-replaced":
@@ -1355,7 +1388,7 @@ class _ForkFollower:
         now = time.monotonic()
         unreported = {}
         for parent in list(self._watched):
-            if parent in self.ended or self.watcher.status(parent, timeout=0) is not None:
+            if self._ended(self.image.get(parent, parent)):
                 continue
             for kid in child_pids(parent):
                 if kid not in self._reported and kid not in self.killed:
@@ -1390,9 +1423,7 @@ class _ForkFollower:
         return [
             key
             for key in self.children
-            if key not in self.ended
-            and not self._superseded(key)
-            and self.watcher.status(thread_id(key), timeout=0) is None
+            if key not in self.ended and not self._superseded(key) and self._status(key, 0) is None
         ]
 
     def wait(self, stop: threading.Event, deadline: float | None) -> None:
@@ -1469,6 +1500,9 @@ class _ForkFollower:
             )
             if pid not in self.children:  # never reported to us
                 processes[pid] = {"ppid": parent, "untraced": "frozen before Frida reported it"}
+        # one wait for them all: a status not in by then will not come (a pid namespace of
+        # its own gets no process events: 2 s for each child)
+        statuses_due = time.monotonic() + 2
         for key in self.children:
             pid = thread_id(key)
             ending: dict[str, Any] = {"ppid": self.parents.get(key)}
@@ -1487,12 +1521,16 @@ class _ForkFollower:
             if key in running or key in self.dropped:
                 ending["detached"] = True
             elif not superseded:
-                status = self.watcher.status(pid, timeout=2)
+                status = self._status(key, max(0.0, statuses_due - time.monotonic()))
                 if status is not None:
                     ending["exit_code"], ending["signal"] = describe(status)
             # the watcher's execs are of the pid: they tell only of its first image's (a
             # spawned child's is the one that made it)
-            first_execd = key == pid and pid in self.watcher.execs and key not in self.spawned
+            first_execd = (
+                key not in self.exec_of
+                and key not in self.spawned
+                and self.watcher.execed(pid, self.since.get(key, 0))
+            )
             if superseded or key in self.replaced or first_execd:
                 ending["exec"] = True  # its trace ends at its exec
                 if key in self.exec_images:
@@ -2036,6 +2074,14 @@ def _dropped_warning(what: str, reason: str) -> str:
         f"Frida dropped its session with {what} ({reason}) while it ran on: its trace ends "
         "there, and it ran on untraced"
     )
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (in clock ticks since boot), or None if it is gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    return None
 
 
 def _parent_of(pid: int) -> int | None:
