@@ -548,6 +548,19 @@ def test_a_forked_child_dies_of_its_own_fault_signal(tmp_path, programs, follow_
         assert "was killed by SIGABRT; the program aborted at " in warning
 
 
+@pytest.mark.parametrize("follow_fork", [False, True])
+def test_a_forked_child_has_no_signal_stack_of_the_agents(tmp_path, programs, follow_fork):
+    # the child inherits the thread's signal stack, the agent's: given back in a child that
+    # runs on untraced, hidden in one traced as any thread; its handler runs on its stack
+    faults = str(programs["faults"])
+    said = "signal stack: none\nfault in poke\nhandler on the thread's stack\nchild: exit 3\n"
+    native = subprocess.run([faults, "where", "child"], capture_output=True, text=True)
+    assert (native.returncode, native.stdout) == (0, said)
+    flags = ["--follow-fork"] if follow_fork else []
+    res = record(tmp_path / "d", *flags, "--", faults, "where", "child")
+    assert (res.returncode, res.stdout) == (0, said), res.stderr
+
+
 def test_the_summary_names_the_crash_of_a_program_the_traced_one_execs(tmp_path, programs):
     # the crash is in the new image (pid#2), which the summary counts as the program's
     faults = programs["faults"]

@@ -1524,8 +1524,9 @@ class _ForkFollower:
                 status = self._status(key, max(0.0, statuses_due - time.monotonic()))
                 if status is not None:
                     ending["exit_code"], ending["signal"] = describe(status)
-            # the watcher's execs are of the pid: they tell only of its first image's (a
-            # spawned child's is the one that made it)
+            # the execs of its process from its take-up on: an image traced as exec'ed or
+            # spawned has them as images of their own (a spawned child's is the one that
+            # made it)
             first_execd = (
                 key not in self.exec_of
                 and key not in self.spawned

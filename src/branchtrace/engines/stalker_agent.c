@@ -716,7 +716,8 @@ static void arm_altstack(BtThread *t) {
 
 /* The thread is done with the agent (it exits, or leaves Stalker for good): its signal
    stack is disarmed and goes.  Not while something runs on it, and not when the program
-   has set its own since, which may hand the agent's back later (unless the thread ends). */
+   has set its own since (unless the thread ends): a handler of the program's, run
+   untraced, may have been shown the agent's and may set it again. */
 static void disarm_altstack(BtThread *t, int ended) {
   BtStack now, off = {NULL, BT_SS_DISABLE, 0};
   if (t->altstack == NULL || on_altstack(t) || syscall(131, NULL, &now) != 0)
