@@ -517,6 +517,38 @@ def test_a_handler_of_the_program_is_given_the_pc_of_its_own_instruction(
     assert (res.returncode, res.stdout) == (3, said), res.stderr
 
 
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_a_fault_whose_handler_returns_is_made_again_and_traced_on(tmp_path, programs, engine):
+    # the handler lets poke() write and returns: the store is made again, and the thread
+    # goes on traced in Stalker's copy of the code (its handler entered by the agent returns
+    # through the restorer, whose hook sends it back there)
+    faults = programs["faults"]
+    res = record(tmp_path / "d", "--engine", engine, "--", str(faults), "retry")
+    assert (res.returncode, res.stdout) == (0, "retried 42\n"), res.stderr
+    trace = branchtrace.open(tmp_path / "d")
+    tid = trace.meta["pid"]
+    ((_, fault),) = trace.faults(tid)
+    store = instruction_in(trace.modules(tid), "faults", "poke", "mov dword ptr [rax], 0x2a")
+    assert (fault.signal, fault.address, fault.access) == (signal.SIGSEGV, store, FaultAccess.WRITE)
+    traced = TraceDir.open(tmp_path / "d")
+    assert calls_to(traced, tid, faults, "poke") == 1
+    assert calls_to(traced, tid, faults, "after") == 3
+    end = trace.end(tid)
+    assert end is not None and (end.call, end.status) == ("exit_group", 0)
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_a_crash_handlers_backtrace_reaches_the_function_that_faulted(tmp_path, programs, engine):
+    # Frida's handler called the program's as a function, and the hook on its entry put a
+    # return address of Frida's in its frame: backtrace() stopped there, 2 frames against 8.
+    # The agent now enters it as the kernel does, returning through the restorer.
+    faults = str(programs["faults"])
+    native = subprocess.run([faults, "backtrace"], capture_output=True, text=True)
+    assert native.returncode == 3 and native.stdout.endswith("\npoke in the backtrace\n")
+    res = record(tmp_path / "d", "--engine", engine, "--", faults, "backtrace")
+    assert (res.returncode, res.stdout) == (3, native.stdout), res.stderr
+
+
 @pytest.mark.parametrize(
     "mode,signum", [("int3", signal.SIGTRAP), ("raise", signal.SIGSEGV), ("abort", signal.SIGABRT)]
 )

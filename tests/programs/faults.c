@@ -9,6 +9,12 @@
           faults under a SA_SIGINFO handler that says whether the interrupted pc it is given
           lies in poke ("fault in poke") and whether it runs on the thread's stack, below the
           interrupted stack pointer ("handler on the thread's stack"), then exits 3
+   retry  poke() writes to a page it may not, under a handler that lets it (mprotect) and
+          returns, so that the write is made again and succeeds; then after() is called 3
+          times, and "retried" printed
+   backtrace  poke() faults under a handler that says how many frames backtrace() finds
+              ("frames: N") and whether one of them is in poke ("poke in the backtrace"),
+              then exits 3
    overflow          descend() recurses until the stack overflows (at 256 KiB, its limit
                      lowered to keep the trace short)
    overflow-deep     the same on the whole stack (8 MiB, as the limit usually is)
@@ -23,6 +29,7 @@
    A second argument: "wait" prints "ready" and reads a line first; "child" has a forked
    child fault, and prints how it ended ("child: signal N" or "child: exit N"). */
 #define _GNU_SOURCE
+#include <execinfo.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdio.h>
@@ -96,6 +103,21 @@ static void on_segv_where(int sig, siginfo_t *info, void *context) {
   _exit(3);
 }
 
+static void on_segv_backtrace(int sig) {
+  void *frames[64];
+  int n = backtrace(frames, 64), in_poke = 0;
+  for (int i = 0; i < n; i++)
+    in_poke |= (char *)frames[i] >= (char *)poke && (char *)frames[i] < (char *)poke + 32;
+  printf("frames: %d\n%s\n", n, in_poke ? "poke in the backtrace" : "poke not in it");
+  fflush(stdout);
+  _exit(3);
+}
+
+static char *locked;
+__attribute__((noinline)) void after(void) { zero++; }
+
+static void on_segv_unlock(int sig) { mprotect(locked, 4096, PROT_READ | PROT_WRITE); }
+
 static int fault(const char *mode);
 
 int main(int argc, char **argv) {
@@ -151,6 +173,21 @@ static int fault(const char *mode) {
   }
   if (!strcmp(mode, "overflow"))
     return overflow();
+  if (!strcmp(mode, "retry")) {
+    locked = mmap(NULL, 4096, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    signal(SIGSEGV, on_segv_unlock);
+    poke((int *)locked);
+    for (int i = 0; i < 3; i++)
+      after();
+    printf("retried %d\n", *(int *)locked);
+    return 0;
+  }
+  if (!strcmp(mode, "backtrace")) {
+    void *warm[1];
+    backtrace(warm, 1); /* loads libgcc_s now, not in the handler */
+    signal(SIGSEGV, on_segv_backtrace);
+    poke(NULL);
+  }
   if (!strcmp(mode, "overflow-deep"))
     return descend(0);
   if (!strcmp(mode, "overflow-thread")) {

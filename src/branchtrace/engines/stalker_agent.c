@@ -101,6 +101,8 @@ typedef struct {
   int handlers_running;  /* signal handlers entered and not returned from (bt_on_longjmp) */
   int altstack_tried;    /* arm_altstack() has run on the thread */
   uint8_t *altstack;     /* the signal stack it armed for the thread, or NULL */
+  uint64_t fault_ip;     /* the program's instruction of the fault deliver() handed the */
+  uint64_t fault_resume; /* program's handler, and where in Stalker's copy it goes on */
 } BtThread;
 
 /* The agent's signal stacks (arm_altstack): 64 KiB above a guard page. */
@@ -182,6 +184,10 @@ typedef struct {
      fault_signals */
   BtSigaction chained[BT_FAULT_SIGNALS];
   uint64_t faults_taken; /* bit i: on_fault() took signal fault_signals[i] */
+  /* what the program last asked for those signals with sigaction() or signal() (Frida
+     keeps it, and calls the handler from its own), by signal as in fault_signals */
+  BtSigaction program[BT_FAULT_SIGNALS];
+  uint64_t program_known; /* bit i: program[i] holds it */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1129,14 +1135,31 @@ static void note_handler(void *handler) {
     bt_new_handler(handler);
 }
 
-void bt_on_signal(GumInvocationContext *ic) { /* signal(sig, handler) */
-  note_handler(gum_invocation_context_get_nth_argument(ic, 1));
+static void note_program_action(int sig, void *handler, uint64_t flags, uint64_t mask);
+
+static void on_signal(GumInvocationContext *ic, uint64_t flags) {
+  void *handler = gum_invocation_context_get_nth_argument(ic, 1);
+  note_handler(handler);
+  note_program_action((int)(uint64_t)gum_invocation_context_get_nth_argument(ic, 0), handler,
+                      flags, 0);
+}
+
+void bt_on_signal(GumInvocationContext *ic) { /* signal(sig, handler), bsd_signal() */
+  on_signal(ic, 0x10000000 /* SA_RESTART */);
+}
+
+void bt_on_sysv_signal(GumInvocationContext *ic) {
+  on_signal(ic, 0x80000000ULL /* SA_RESETHAND */ | 0x40000000 /* SA_NODEFER */);
 }
 
 void bt_on_sigaction(GumInvocationContext *ic) { /* sigaction(sig, act, old) */
-  void **act = gum_invocation_context_get_nth_argument(ic, 1);
-  if (act != NULL)
-    note_handler(act[0]); /* sa_handler / sa_sigaction: the union at offset 0 */
+  uint8_t *act = gum_invocation_context_get_nth_argument(ic, 1);
+  if (act == NULL)
+    return;
+  note_handler(*(void **)act); /* sa_handler / sa_sigaction: the union at offset 0 */
+  /* glibc's struct sigaction: the mask (the kernel's 64 bits of it) at 8, the flags at 136 */
+  note_program_action((int)(uint64_t)gum_invocation_context_get_nth_argument(ic, 0),
+                      *(void **)act, *(uint32_t *)(act + 136), *(uint64_t *)(act + 8));
 }
 
 static int read_safely(const void *addr, void *out, uint64_t n);
@@ -1178,8 +1201,15 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
    follows the thread again from there: the jump itself and all after it are traced. */
 void bt_on_sigreturn(GumInvocationContext *ic) {
   BtThread *t = in_forked_child() ? NULL : current_thread();
-  if (t != NULL && t->handlers_running > 0)
+  if (t == NULL)
+    return;
+  if (t->handlers_running > 0)
     t->handlers_running--;
+  /* the restorer is entered with the stack pointer at the signal frame's ucontext */
+  uint64_t *rip = (uint64_t *)(ic->cpu_context->rsp + 168 /* UC_RIP */);
+  if (t->fault_resume != 0 && *rip == t->fault_ip)
+    *rip = t->fault_resume; /* deliver()'s handler returned: on in the copy, traced */
+  t->fault_resume = 0;
 }
 
 void bt_on_longjmp(GumInvocationContext *ic) {
@@ -1260,6 +1290,22 @@ static const int fault_signals[BT_FAULT_SIGNALS] = {11 /* SIGSEGV */, 7 /* SIGBU
                                                     4 /* SIGILL */,  8 /* SIGFPE */,
                                                     6 /* SIGABRT */, 5 /* SIGTRAP */,
                                                     31 /* SIGSYS */};
+
+static int fault_index(int sig) {
+  for (int i = 0; i < BT_FAULT_SIGNALS; i++)
+    if (fault_signals[i] == sig)
+      return i;
+  return -1;
+}
+
+static void note_program_action(int sig, void *handler, uint64_t flags, uint64_t mask) {
+  int i = fault_index(sig);
+  if (i < 0)
+    return;
+  BtSigaction action = {handler, flags, NULL, mask};
+  STATE->program[i] = action;
+  STATE->program_known |= 1ULL << i;
+}
 
 /* Whether the instruction that raised the signal raises it again as the handler returns
    (it did not complete): a fault, not a signal sent, a breakpoint or a system call's. */
@@ -1345,29 +1391,106 @@ static int overflowed(int sig, const uint8_t *info, uint64_t rsp, uint64_t sp) {
          address + 65536 >= sp && address < rsp + 65536;
 }
 
-/* The program's handler (behind Frida's) runs where the kernel would have run it on a
-   thread without a signal stack: on the thread's stack below the interrupted one's red
-   zone, by the signal frame's size.  When there is no room there because the stack
-   overflowed, the kernel would have killed the process with SIGSEGV instead, and so it is
-   (0 returned): at the program's instruction, which faults again as the handler returns,
-   or by SIGSEGV raised now and delivered then.  A stack not yet grown that far grows as
-   the handler runs, as it would have for the frame. */
-static int run_on_thread_stack(const BtSigaction *chained, int sig, uint8_t *info,
-                               uint8_t *uc, const uint8_t *altstack) {
-  uint64_t rsp = *(const uint64_t *)(uc + UC_RSP);
-  uint64_t frame = (uint64_t)(altstack + BT_ALTSTACK_SIZE) - ((uint64_t)uc - 8);
-  uint64_t sp = (rsp - 128 - frame) & ~15ULL;
-  uint8_t probe;
-  if (read_safely((const void *)(sp - 8), &probe, 1) || !overflowed(sig, info, rsp, sp)) {
-    bt_call_on_stack(chained->handler, sig, info, uc, sp);
-    return 1;
-  }
+/* The kernel, finding no room on an overflowed stack for a handler's frame, kills the
+   process with SIGSEGV: so it is, at the program's instruction, which faults again as the
+   handler returns, or by SIGSEGV raised now and delivered then. */
+static void die_of_overflow(const BtSigaction *chained, int sig, const uint8_t *info) {
   BtSigaction dfl = *chained;
   dfl.handler = (void *)0 /* SIG_DFL */;
   syscall(13 /* rt_sigaction */, 11 /* SIGSEGV */, &dfl, NULL, 8);
   if (!raised_again(sig, *(const int32_t *)(info + 8)))
     syscall(234 /* tgkill */, getpid(), syscall(186 /* gettid */), 11);
-  return 0;
+}
+
+/* Where the kernel would have put the signal frame on the thread's stack, the frame's
+   place `frame` modulo 64 kept (its FPU state is 64-byte aligned), or 0 when an overflowed
+   stack has no room for it.  A stack not yet grown that far grows as it is written, as it
+   would have for the frame. */
+static uint64_t frame_on_thread_stack(int sig, const uint8_t *info, const uint8_t *uc,
+                                      uint64_t frame, uint64_t len) {
+  uint64_t rsp = *(const uint64_t *)(uc + UC_RSP);
+  uint64_t at = ((rsp - 128 - len - 64) & ~63ULL) + (frame & 63);
+  uint8_t probe;
+  if (!read_safely((const void *)at, &probe, 1) && overflowed(sig, info, rsp, at))
+    return 0;
+  return at;
+}
+
+/* The program's handler (behind Frida's) runs where the kernel would have run it on a
+   thread without a signal stack: on the thread's stack below the interrupted one's red
+   zone, by the signal frame's size.  0 when an overflowed stack has no room there. */
+static int run_on_thread_stack(const BtSigaction *chained, int sig, uint8_t *info,
+                               uint8_t *uc, const uint8_t *altstack) {
+  uint64_t frame = (uint64_t)uc - 8;
+  uint64_t len = (uint64_t)(altstack + BT_ALTSTACK_SIZE) - frame;
+  uint64_t at = frame_on_thread_stack(sig, info, uc, frame, len);
+  if (at == 0)
+    return 0;
+  bt_call_on_stack(chained->handler, sig, info, uc, at & ~15ULL);
+  return 1;
+}
+
+/* handler(sig, info, uc) entered with its stack pointer at `sp`, for good. */
+extern void bt_enter_handler(void *handler, long sig, void *info, void *uc, uint64_t sp);
+__asm__(".text\n"
+        ".globl bt_enter_handler\n"
+        "bt_enter_handler:\n"
+        "  mov %r8, %rsp\n"
+        "  mov %rdi, %rax\n"
+        "  mov %rsi, %rdi\n"
+        "  mov %rdx, %rsi\n"
+        "  mov %rcx, %rdx\n"
+        "  jmp *%rax\n");
+
+#define SA_ONSTACK 0x08000000
+#define SA_NODEFER 0x40000000
+#define SA_RESETHAND 0x80000000ULL
+#define UC_FPREGS 224   /* uc_mcontext.fpregs: where the frame keeps the FPU state */
+#define UC_SIGMASK 296  /* uc_sigmask: the mask the signal interrupted */
+
+/* A fault of the program's own code, for a handler the program set: entered as the kernel
+   would have entered it, not through Frida's handler, which calls it as a function from
+   code that no unwinder knows (a crash handler's backtrace() stopped there: 2 frames, 7
+   untraced).  Its signal frame is where the kernel would have put it -- the thread's
+   stack, or the program's own signal stack for a SA_ONSTACK handler -- its return address
+   the restorer, through which backtrace() unwinds into the program's frames, and the mask
+   the program's.  The handler returns through the restorer (bt_on_sigreturn), which sends
+   the thread on in Stalker's copy of the instruction, traced.  Returns only when an
+   overflowed stack has no room for the frame (0). */
+static int deliver(BtThread *t, int i, int sig, uint8_t *info, uint8_t *uc, uint64_t ip,
+                   uint64_t in_copy) {
+  const BtSigaction *action = &STATE->program[i];
+  const BtStack *found = (const BtStack *)(uc + UC_STACK); /* the stack it was delivered on */
+  uint8_t here;
+  uint64_t frame = (uint64_t)uc - 8; /* its return address, then the ucontext */
+  int on_a_stack = found->sp != NULL && &here >= (uint8_t *)found->sp &&
+                   &here < (uint8_t *)found->sp + found->size;
+  int programs = on_a_stack && agents_altstack(found->sp) == NULL;
+  uint64_t entry = frame;
+  if (on_a_stack && !(programs && (action->flags & SA_ONSTACK))) {
+    uint64_t top = (uint64_t)found->sp + found->size, len = top - frame;
+    uint64_t at = frame_on_thread_stack(sig, info, uc, frame, len);
+    if (at == 0)
+      return 0;
+    uint64_t *from = (uint64_t *)frame, *to = (uint64_t *)at;
+    for (uint64_t k = 0; k < len / 8; k++)
+      to[k] = from[k];
+    uint64_t shift = at - frame;
+    uint64_t *fpregs = (uint64_t *)(uc + shift + UC_FPREGS);
+    if (*fpregs >= frame && *fpregs < top)
+      *fpregs += shift;
+    info += shift;
+    uc += shift;
+    entry = at;
+  }
+  t->fault_ip = ip;
+  t->fault_resume = in_copy;
+  uint64_t mask = *(uint64_t *)(uc + UC_SIGMASK) | action->mask;
+  if (!(action->flags & SA_NODEFER))
+    mask |= 1ULL << (sig - 1);
+  syscall(14 /* rt_sigprocmask */, 2 /* SIG_SETMASK */, &mask, NULL, 8);
+  bt_enter_handler(action->handler, sig, info, uc, entry);
+  return 1;
 }
 
 /* The handlers after on_fault() see the program's instruction in the signal's context,
@@ -1384,6 +1507,16 @@ static void on_fault(int sig, void *info, void *uc) {
   while (fault_signals[i] != sig)
     i++;
   BtSigaction *chained = &STATE->chained[i];
+  const BtSigaction *program = &STATE->program[i];
+  BtThread *t = ip != 0 ? current_thread() : NULL;
+  if (t != NULL)
+    t->fault_resume = 0;
+  if (t != NULL && (STATE->program_known >> i & 1) && (uint64_t)program->handler > 1 &&
+      !(program->flags & SA_RESETHAND)) {
+    deliver(t, i, sig, info, uc, ip, in_copy); /* returns only for want of room */
+    die_of_overflow(chained, sig, info);
+    return;
+  }
   const BtStack *delivered_on = (const BtStack *)((uint8_t *)uc + UC_STACK);
   uint8_t *altstack = agents_altstack(delivered_on->sp);
   uint8_t here;
@@ -1394,8 +1527,10 @@ static void on_fault(int sig, void *info, void *uc) {
   else if (chained->handler == (void *)1 /* SIG_IGN */)
     ;
   else if (altstack != NULL) {
-    if (!run_on_thread_stack(chained, sig, info, uc, altstack))
+    if (!run_on_thread_stack(chained, sig, info, uc, altstack)) {
+      die_of_overflow(chained, sig, info);
       return;
+    }
   } else if (chained->flags & 4 /* SA_SIGINFO */)
     ((void (*)(int, void *, void *))chained->handler)(sig, info, uc);
   else
@@ -1426,6 +1561,7 @@ static void on_fault(int sig, void *info, void *uc) {
    restorer to return through keeps its handler. */
 void bt_catch_faults(void) {
   STATE->faults_taken = 0;
+  STATE->program_known = 0; /* before the sigaction() hooks go in */
   for (int i = 0; i < BT_FAULT_SIGNALS; i++) {
     BtSigaction old, mine;
     if (syscall(13 /* rt_sigaction */, fault_signals[i], NULL, &old, 8) != 0 ||

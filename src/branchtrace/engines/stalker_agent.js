@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 552); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 784); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -153,7 +153,7 @@ const newHandler = new NativeCallback((handler) => {
       hookHandlerExits();
     }
     hookedHandlers.add(key);
-    attach(handler, { onEnter: cm.bt_on_handler_entry });
+    attach(handler, cm.bt_on_handler_entry);
   }
 }, 'void', ['pointer']);
 // A handler left by a jump rather than a return (bt_on_longjmp in stalker_agent.c): hooked
@@ -162,14 +162,14 @@ const newHandler = new NativeCallback((handler) => {
 function hookHandlerExits() {
   const restorer = new NativeFunction(cm.bt_fault_restorer, 'pointer', [])();
   if (!restorer.isNull()) {
-    attach(restorer, { onEnter: cm.bt_on_sigreturn });
+    attach(restorer, cm.bt_on_sigreturn);
   }
   const jumps = new Set();
   for (const name of ['siglongjmp', 'longjmp', '_longjmp', '__longjmp_chk']) {
     const f = Module.findGlobalExportByName(name);
     if (f !== null && !jumps.has(f.toString())) {
       jumps.add(f.toString());
-      attach(f, { onEnter: cm.bt_on_longjmp });
+      attach(f, cm.bt_on_longjmp);
     }
   }
 }
@@ -420,7 +420,7 @@ if (tlsDtors !== null) {
 for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
   const f = Module.findGlobalExportByName(name);
   if (f !== null) {
-    attach(f, { onEnter: cm.bt_on_signal });
+    attach(f, { onEnter: name === 'sysv_signal' ? cm.bt_on_sysv_signal : cm.bt_on_signal });
   }
 }
 attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
@@ -447,16 +447,14 @@ if (PARAMS.spawn) {
   }
   let started = false;
   for (const [name, at] of starts) {
-    attach(at, {
-      onEnter() {
-        if (!started) {
-          started = true;
-          park();
-          tracing = true;
-          follow(Process.getCurrentThreadId(), PARAMS.mainRing, at);
-          note({ type: 'traced-from', at: name });
-        }
-      },
+    attach(at, () => {
+      if (!started) {
+        started = true;
+        park();
+        tracing = true;
+        follow(Process.getCurrentThreadId(), PARAMS.mainRing, at);
+        note({ type: 'traced-from', at: name });
+      }
     });
   }
 }
