@@ -16,7 +16,7 @@ from ..engines.base import Trigger
 from ..engines.stalker import StalkerEngine, resolve_program
 from ..errors import UsageError
 from ..store import Mode, parse_size
-from ..store.tracedir import thread_id, thread_label
+from ..store.tracedir import thread_label
 from .views import crash_sites
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -65,9 +65,12 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     n = len(result.threads)
     processes = ""
     if result.processes:
-        pids = {thread_id(key) for key in result.processes} | {result.pid}
+        # a process's exec'ed images are not processes of their own; a child given an
+        # earlier one's pid is
+        keys = {key for key, e in result.processes.items() if "execd_by" not in e}
+        count = len(keys | {result.pid})
         images = sum("execd_by" in e for e in result.processes.values())
-        processes = f"{len(pids)} processes, " if len(pids) > 1 else ""
+        processes = f"{count} processes, " if count > 1 else ""
         if images:
             processes += f"{images} exec'ed program image{'s' if images != 1 else ''}, "
     switches = sum(t.switches for t in result.threads.values())
