@@ -1448,6 +1448,21 @@ __asm__(".text\n"
 #define UC_FPREGS 224   /* uc_mcontext.fpregs: where the frame keeps the FPU state */
 #define UC_SIGMASK 296  /* uc_sigmask: the mask the signal interrupted */
 
+/* Where the kernel's signal frame ends: after its FPU state (the size its
+   software-reserved bytes give: FP_XSTATE_MAGIC1, extended_size), or after the siginfo
+   when it has none. */
+static uint64_t frame_end(const uint8_t *info, const uint8_t *uc) {
+  const uint8_t *fpstate = *(const uint8_t *const *)(uc + UC_FPREGS);
+  uint64_t end = (uint64_t)info + 128;
+  if (fpstate != NULL) {
+    uint32_t magic = *(const uint32_t *)(fpstate + 464);
+    uint64_t size = magic == 0x46505853 ? *(const uint32_t *)(fpstate + 468) : 512;
+    if ((uint64_t)fpstate + size > end)
+      end = (uint64_t)fpstate + size;
+  }
+  return (end + 7) & ~7ULL;
+}
+
 /* A fault of the program's own code, for a handler the program set: entered as the kernel
    would have entered it, not through Frida's handler, which calls it as a function from
    code that no unwinder knows (a crash handler's backtrace() stopped there: 2 frames, 7
@@ -1468,7 +1483,7 @@ static int deliver(BtThread *t, int i, int sig, uint8_t *info, uint8_t *uc, uint
   int programs = on_a_stack && agents_altstack(found->sp) == NULL;
   uint64_t entry = frame;
   if (on_a_stack && !(programs && (action->flags & SA_ONSTACK))) {
-    uint64_t top = (uint64_t)found->sp + found->size, len = top - frame;
+    uint64_t top = frame_end(info, uc), len = top - frame;
     uint64_t at = frame_on_thread_stack(sig, info, uc, frame, len);
     if (at == 0)
       return 0;
