@@ -538,6 +538,39 @@ def test_a_fault_whose_handler_returns_is_made_again_and_traced_on(tmp_path, pro
 
 
 @pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_a_fault_under_a_handler_set_with_the_system_call_itself_is_in_the_trace(
+    tmp_path, programs, engine
+):
+    # a runtime that sets its handlers with rt_sigaction() itself (Go's) took the place of
+    # the agent's handler: the handler ran, but no FAULT was written
+    faults = str(programs["faults"])
+    said = "registered\nraw handler: fault in poke\n"
+    native = subprocess.run([faults, "raw"], input="\n", capture_output=True, text=True)
+    assert (native.returncode, native.stdout) == (3, said)
+    res = record(tmp_path / "d", "--engine", engine, "--", faults, "raw", input="\n")
+    assert (res.returncode, res.stdout) == (3, said), res.stderr
+    trace = branchtrace.open(tmp_path / "d")
+    tid = trace.meta["pid"]
+    ((_, fault),) = trace.faults(tid)
+    store = instruction_in(trace.modules(tid), "faults", "poke", "mov dword ptr [rax], 0x2a")
+    assert (fault.signal, fault.address, fault.access) == (signal.SIGSEGV, store, FaultAccess.WRITE)
+
+
+def test_a_handler_set_with_the_system_call_while_attached_stays_after_the_detach(
+    tmp_path, programs
+):
+    # Frida gives back, as it unloads, the handlers it knows of: one set with the system
+    # call itself was lost, and the program died of the fault it would have handled
+    with attach_target(programs["faults"], "raw", "wait", stdin=subprocess.PIPE) as target:
+        tool = attached_and_let_go(tmp_path / "d", target, "--duration", "1.5", keep_stdin=True)
+        assert target.stdout.readline() == "registered\n"
+        _, err = tool.communicate(timeout=60)
+        assert tool.returncode == 0 and f"detached from pid {target.pid}" in err, err
+        out, _ = target.communicate("\n", timeout=30)
+        assert (target.returncode, out) == (3, "raw handler: fault in poke\n")
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
 def test_a_crash_handlers_backtrace_reaches_the_function_that_faulted(tmp_path, programs, engine):
     # Frida's handler called the program's as a function, and the hook on its entry put a
     # return address of Frida's in its frame: backtrace() stopped there, 2 frames against 8.
@@ -2138,9 +2171,11 @@ def test_ctrl_c_when_attached_stops_detaches_and_keeps_the_trace(tmp_path, progr
     assert sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads()) > 20
 
 
-def attached_and_let_go(out: Path, target: subprocess.Popen, *options: str) -> subprocess.Popen:
-    """`record -p` of `target`, which is let go on (a line on its stdin) once the recording
-    says it has begun."""
+def attached_and_let_go(
+    out: Path, target: subprocess.Popen, *options: str, keep_stdin: bool = False
+) -> subprocess.Popen:
+    """`record -p` of `target`, which is let go on (a line on its stdin, which stays open
+    with `keep_stdin`) once the recording says it has begun."""
     tool = subprocess.Popen(
         [*BT, "record", "-o", str(out), *options, "-p", str(target.pid)],
         stderr=subprocess.PIPE,
@@ -2149,7 +2184,10 @@ def attached_and_let_go(out: Path, target: subprocess.Popen, *options: str) -> s
     assert tool.stderr is not None and "Ctrl-C to stop" in tool.stderr.readline()
     assert target.stdin is not None
     target.stdin.write("\n")
-    target.stdin.close()
+    if keep_stdin:
+        target.stdin.flush()
+    else:
+        target.stdin.close()
     return tool
 
 

@@ -12,6 +12,10 @@
    retry  poke() writes to a page it may not, under a handler that lets it (mprotect) and
           returns, so that the write is made again and succeeds; then after() is called 3
           times, and "retried" printed
+   raw    a SIGSEGV handler is set with the rt_sigaction system call itself, as a runtime
+          does (Go's); prints "registered" and reads a line; poke() faults, and the
+          handler says whether the interrupted pc it is given lies in poke ("raw handler:
+          fault in poke"), then exits 3
    backtrace  poke() faults under a handler that says how many frames backtrace() finds
               ("frames: N") and whether one of them is in poke ("poke in the backtrace"),
               then exits 3
@@ -39,6 +43,7 @@
 #include <stdint.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <ucontext.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -118,6 +123,25 @@ __attribute__((noinline)) void after(void) { zero++; }
 
 static void on_segv_unlock(int sig) { mprotect(locked, 4096, PROT_READ | PROT_WRITE); }
 
+/* the kernel's struct sigaction, and a restorer of our own, as a runtime has */
+struct kernel_sigaction {
+  void (*handler)(int, siginfo_t *, void *);
+  unsigned long flags;
+  void (*restorer)(void);
+  unsigned long mask;
+};
+extern void raw_restore(void);
+__asm__(".text\n"
+        "raw_restore:\n"
+        "  mov $15, %rax\n"
+        "  syscall\n");
+
+static void on_segv_raw(int sig, siginfo_t *info, void *context) {
+  unsigned long pc = (unsigned long)((ucontext_t *)context)->uc_mcontext.gregs[REG_RIP];
+  unsigned long at = (unsigned long)poke;
+  say(pc >= at && pc < at + 32 ? "raw handler: fault in poke\n" : "raw handler: elsewhere\n", 3);
+}
+
 static int fault(const char *mode);
 
 int main(int argc, char **argv) {
@@ -181,6 +205,17 @@ static int fault(const char *mode) {
       after();
     printf("retried %d\n", *(int *)locked);
     return 0;
+  }
+  if (!strcmp(mode, "raw")) {
+    struct kernel_sigaction act = {on_segv_raw, SA_SIGINFO | 0x04000000 /* SA_RESTORER */,
+                                   raw_restore, 0};
+    char line[8];
+    syscall(SYS_rt_sigaction, SIGSEGV, &act, NULL, 8);
+    puts("registered");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin))
+      return 1;
+    poke(NULL);
   }
   if (!strcmp(mode, "backtrace")) {
     void *warm[1];

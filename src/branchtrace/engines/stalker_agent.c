@@ -1307,6 +1307,41 @@ static void note_program_action(int sig, void *handler, uint64_t flags, uint64_t
   STATE->program_known |= 1ULL << i;
 }
 
+/* Before an rt_sigaction() system call in the program's own code (put_syscall_checks), for a
+   fault signal: a runtime that sets its handlers with the call itself (Go's) took
+   on_fault()'s place, and its faults were not in the trace.  The call is made through
+   sigaction() instead, which Frida takes, as it takes the program's other calls: the
+   handler is Frida's to give back at the end (its exceptor then restores what it knows),
+   the agent's hook on sigaction() notes it for deliver(), and the system call itself is
+   made to change nothing.  Anything the kernel would refuse goes to it as asked. */
+extern int sigaction(int sig, const void *act, void *old);
+
+static void on_rt_sigaction(GumCpuContext *cpu, gpointer user_data) {
+  int i = fault_index((int)cpu->rdi);
+  BtSigaction act, old;
+  uint8_t glibc_act[152] = {0}, glibc_old[152] = {0}; /* glibc's struct sigaction */
+  if (i < 0 || !(STATE->faults_taken & (1ULL << i)) || cpu->r10 != 8 || in_forked_child())
+    return;
+  if (cpu->rsi != 0) {
+    if (!read_safely((const void *)cpu->rsi, &act, sizeof act))
+      return;
+    *(void **)glibc_act = act.handler;
+    *(uint64_t *)(glibc_act + 8) = act.mask;
+    *(uint32_t *)(glibc_act + 136) = (uint32_t)act.flags & ~0x04000000U /* SA_RESTORER */;
+  }
+  if (sigaction((int)cpu->rdi, cpu->rsi != 0 ? glibc_act : NULL, glibc_old) != 0)
+    return;
+  old.handler = *(void **)glibc_old;
+  old.flags = *(uint32_t *)(glibc_old + 136);
+  old.restorer = *(void **)(glibc_old + 144);
+  old.mask = *(uint64_t *)(glibc_old + 8);
+  uint64_t local[2] = {(uint64_t)&old, sizeof old}, remote[2] = {cpu->rdx, sizeof old};
+  if (cpu->rdx != 0)
+    syscall(311 /* process_vm_writev */, getpid(), local, 1, remote, 1, 0);
+  cpu->rsi = 0; /* rt_sigaction(sig, NULL, NULL): 0, nothing changed */
+  cpu->rdx = 0;
+}
+
 /* Whether the instruction that raised the signal raises it again as the handler returns
    (it did not complete): a fault, not a signal sent, a breakpoint or a system call's. */
 static int raised_again(int sig, int32_t code) {
@@ -1498,8 +1533,10 @@ static int deliver(BtThread *t, int i, int sig, uint8_t *info, uint8_t *uc, uint
     uc += shift;
     entry = at;
   }
-  t->fault_ip = ip;
-  t->fault_resume = in_copy;
+  if (t != NULL) {
+    t->fault_ip = ip;
+    t->fault_resume = in_copy;
+  }
   uint64_t mask = *(uint64_t *)(uc + UC_SIGMASK) | action->mask;
   if (!(action->flags & SA_NODEFER))
     mask |= 1ULL << (sig - 1);
@@ -2195,6 +2232,10 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
             (gconstpointer)(address | (1ULL << 61)));
   put_check(iterator, cw, t, 131 /* sigaltstack */, on_sigaltstack, go,
             (gconstpointer)(address | (1ULL << 58)));
+  const BtCodeRange *range = code_range(address);
+  if (range != NULL && !range->fridas) /* the program's: not the agent's own calls */
+    put_check(iterator, cw, t, 13 /* rt_sigaction */, on_rt_sigaction, go,
+              (gconstpointer)(address | (1ULL << 57)));
   put_check(iterator, cw, t, 59 /* execve */, on_exec_syscall, go,
             (gconstpointer)(address | (1ULL << 60)));
   put_check(iterator, cw, t, 322 /* execveat */, on_exec_syscall, go,

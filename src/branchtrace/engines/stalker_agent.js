@@ -185,7 +185,7 @@ const cm = new CModule(PARAMS.cSource, {
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
   syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),
-  strlen: libc('strlen'),
+  strlen: libc('strlen'), sigaction: libc('sigaction'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
 // A fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, abort()) names the program's instruction in the
