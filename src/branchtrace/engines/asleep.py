@@ -75,7 +75,8 @@ SOCKET_CALLS = {0, 1, 19, 20, 42, 43, 44, 45, 46, 47, 288, 299, 307}
 STACK_SCAN = 1 << 20
 #: how far before Stalker's copy of a `syscall` the agent's store of its address may be
 #: (the close, close_range, execve, execveat and exit checks with their callouts, and Gum's
-#: clone check: 710 bytes in all)
+#: clone check, measured at 710 bytes in all, then the sigaltstack and rt_sigaction checks,
+#: a check and a callout each)
 NOTE_REACH = 2048
 
 MOVED, NATIVE = "moved", "native"
