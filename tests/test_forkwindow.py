@@ -68,7 +68,7 @@ def test_other_children_are_left_alone(programs, how):
         child = fork_now(target)
         assert not forkwindow.free_if_stuck(child)
         time.sleep(0.2)
-        assert forkwindow._stat(child)[0] == "R"  # still spinning, and not left stopped
+        assert forkwindow.proc_stat(child)[0] == "R"  # still spinning, and not left stopped
         os.kill(child, signal.SIGKILL)
         assert child_status(target) == f"status {signal.SIGKILL}"
 

@@ -46,6 +46,14 @@ def record(out: Path, *args: str, mode: str = "stream", **kw) -> subprocess.Comp
     )
 
 
+def untraced_then_traced(
+    out: Path, program: str, *args: str, options: tuple[str, ...] = (), input: str | None = None
+) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """`program ARGS` run untraced, then recorded into `out` with `options`."""
+    native = subprocess.run([program, *args], input=input, capture_output=True, text=True)
+    return native, record(out, *options, "--", program, *args, input=input)
+
+
 def modules(trace: TraceDir, tid: int) -> ModuleMap:
     loads = trace.modules(trace.thread_pid(tid))
     return ModuleMap([(m.base, m.size, m.path) for m in loads if m.event == "load"])
@@ -403,9 +411,8 @@ def test_a_stack_overflow_ends_the_trace_at_the_write_that_overflowed(
     # block.  The agent arms a signal stack of its own in each thread that has none.
     faults = str(programs["faults"])
     main, out = OVERFLOWS[mode]
-    native = subprocess.run([faults, mode], capture_output=True, text=True)
+    native, res = untraced_then_traced(tmp_path / "d", faults, mode, options=("--engine", engine))
     assert (native.returncode, native.stdout) == (-signal.SIGSEGV, out)
-    res = record(tmp_path / "d", "--engine", engine, "--", faults, mode)
     assert (res.returncode, res.stdout) == (128 + signal.SIGSEGV, out), res.stderr
     trace = branchtrace.open(tmp_path / "d")
     (tid,) = [t for t in trace.threads if (t == trace.meta["pid"]) == main]
@@ -439,9 +446,10 @@ def test_a_stack_overflow_the_program_handles_on_its_own_signal_stack(tmp_path, 
     # in the trace before it
     faults = str(programs["faults"])
     said = r"overflowed at depth (\d+)\n"
-    native = subprocess.run([faults, "overflow-altstack"], capture_output=True, text=True)
+    native, res = untraced_then_traced(
+        tmp_path / "d", faults, "overflow-altstack", options=("--engine", engine)
+    )
     assert native.returncode == 4 and re.fullmatch(said, native.stdout)
-    res = record(tmp_path / "d", "--engine", engine, "--", faults, "overflow-altstack")
     reached = re.fullmatch(said, res.stdout)
     assert res.returncode == 4 and reached, res.stderr
     trace = branchtrace.open(tmp_path / "d")
@@ -511,9 +519,10 @@ def test_a_handler_of_the_program_is_given_the_pc_of_its_own_instruction(
     # program is not shown
     faults = str(programs["faults"])
     said = "signal stack: none\nfault in poke\nhandler on the thread's stack\n"
-    native = subprocess.run([faults, "where"], capture_output=True, text=True)
+    native, res = untraced_then_traced(
+        tmp_path / "d", faults, "where", options=("--engine", engine)
+    )
     assert (native.returncode, native.stdout) == (3, said)
-    res = record(tmp_path / "d", "--engine", engine, "--", faults, "where")
     assert (res.returncode, res.stdout) == (3, said), res.stderr
 
 
@@ -545,9 +554,10 @@ def test_a_fault_under_a_handler_set_with_the_system_call_itself_is_in_the_trace
     # the agent's handler: the handler ran, but no FAULT was written
     faults = str(programs["faults"])
     said = "registered\nraw handler: fault in poke\n"
-    native = subprocess.run([faults, "raw"], input="\n", capture_output=True, text=True)
+    native, res = untraced_then_traced(
+        tmp_path / "d", faults, "raw", options=("--engine", engine), input="\n"
+    )
     assert (native.returncode, native.stdout) == (3, said)
-    res = record(tmp_path / "d", "--engine", engine, "--", faults, "raw", input="\n")
     assert (res.returncode, res.stdout) == (3, said), res.stderr
     trace = branchtrace.open(tmp_path / "d")
     tid = trace.meta["pid"]
@@ -576,9 +586,10 @@ def test_a_crash_handlers_backtrace_reaches_the_function_that_faulted(tmp_path, 
     # return address of Frida's in its frame: backtrace() stopped there, 2 frames against 8.
     # The agent now enters it as the kernel does, returning through the restorer.
     faults = str(programs["faults"])
-    native = subprocess.run([faults, "backtrace"], capture_output=True, text=True)
+    native, res = untraced_then_traced(
+        tmp_path / "d", faults, "backtrace", options=("--engine", engine)
+    )
     assert native.returncode == 3 and native.stdout.endswith("\npoke in the backtrace\n")
-    res = record(tmp_path / "d", "--engine", engine, "--", faults, "backtrace")
     assert (res.returncode, res.stdout) == (3, native.stdout), res.stderr
 
 
@@ -619,10 +630,9 @@ def test_a_forked_child_has_no_signal_stack_of_the_agents(tmp_path, programs, fo
     # runs on untraced, hidden in one traced as any thread; its handler runs on its stack
     faults = str(programs["faults"])
     said = "signal stack: none\nfault in poke\nhandler on the thread's stack\nchild: exit 3\n"
-    native = subprocess.run([faults, "where", "child"], capture_output=True, text=True)
+    flags = ("--follow-fork",) if follow_fork else ()
+    native, res = untraced_then_traced(tmp_path / "d", faults, "where", "child", options=flags)
     assert (native.returncode, native.stdout) == (0, said)
-    flags = ["--follow-fork"] if follow_fork else []
-    res = record(tmp_path / "d", *flags, "--", faults, "where", "child")
     assert (res.returncode, res.stdout) == (0, said), res.stderr
 
 

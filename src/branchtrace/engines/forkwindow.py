@@ -57,7 +57,7 @@ def children(pid: int) -> dict[int, int]:
     """The live children of every thread of `pid`: pid -> start time (clock ticks)."""
     kids: dict[int, int] = {}
     for kid in child_pids(pid):
-        stat = _stat(kid)
+        stat = proc_stat(kid)
         if stat is not None:
             kids[kid] = int(stat[19])
     return kids
@@ -136,7 +136,7 @@ def kill_held(pid: int) -> None:
         time.sleep(0.001)
 
 
-def _stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     """/proc/PID/stat from the state on (index 0 is the state, 17 the threads, 19 the start)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
@@ -197,7 +197,7 @@ def _stop(pid: int) -> bool:
             done, _ = os.waitpid(pid, os.WNOHANG | pt.WALL)
         except ChildProcessError:
             done = 0
-        stat = _stat(pid)
+        stat = proc_stat(pid)
         if done or (stat is not None and stat[0] == "t"):
             return True
         time.sleep(0.001)
@@ -216,7 +216,7 @@ def _let_go(pid: int) -> None:
 
 def stuck_on(pid: int) -> int | None:
     """The address of the held Frida heap lock `pid`, of one thread, spins on, or None."""
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     if stat is None or stat[0] != "R" or stat[17] != "1" or not _stop(pid):
         return None
     try:
@@ -289,7 +289,7 @@ class ForksUnderFrida:
                     if self._seen_before_detach is not None:
                         self._risky.add(kid)
         for kid, start in list(self._watched.items()):
-            stat = _stat(kid)
+            stat = proc_stat(kid)
             if stat is None or int(stat[19]) != start or stat[0] in "ZX":
                 del self._watched[kid]
 

@@ -65,7 +65,14 @@ from .base import (
     init_offset,
     start_meta,
 )
-from .forkwindow import ForksUnderFrida, StopClock, child_pids, kill_held, stopped_by_us
+from .forkwindow import (
+    ForksUnderFrida,
+    StopClock,
+    child_pids,
+    kill_held,
+    proc_stat,
+    stopped_by_us,
+)
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
@@ -2079,17 +2086,13 @@ def _dropped_warning(what: str, reason: str) -> str:
 
 def _start_time(pid: int) -> int | None:
     """When process `pid` started (in clock ticks since boot), or None if it is gone."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2 :].split()[19])
-    return None
+    stat = proc_stat(pid)
+    return int(stat[19]) if stat else None
 
 
 def _parent_of(pid: int) -> int | None:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2 :].split()[1])
-    return None
+    stat = proc_stat(pid)
+    return int(stat[1]) if stat else None
 
 
 def _executable_of(pid: int) -> str | None:
@@ -2131,11 +2134,8 @@ def _ending(pid: int) -> bool:
 
 
 def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] not in "ZX"
 
 
 def _settle_forks(pid: int, forks: ForksUnderFrida, events: Events) -> None:

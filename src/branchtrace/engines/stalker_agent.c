@@ -1355,14 +1355,11 @@ static int raised_again(int sig, int32_t code) {
    are x86-64 Linux's.  Returns the program's instruction when the pc was in the copy. */
 #define UC_RIP 168 /* uc_mcontext.gregs[REG_RIP] */
 
-static uint64_t write_fault(int sig, const uint8_t *info, const uint8_t *uc) {
-  if (in_forked_child())
-    return 0;
+static uint64_t write_fault(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc) {
   int32_t code = *(const int32_t *)(info + 8);
   if (sig == 6 ? code != -6 /* SI_TKILL */ || *(const int32_t *)(info + 16) != getpid()
                : !raised_again(sig, code))
     return 0; /* sent by a process, or not about one instruction */
-  BtThread *t = current_thread();
   if (t == NULL || t->in_c)
     return 0;
   uint64_t pc = *(const uint64_t *)(uc + UC_RIP);
@@ -1500,7 +1497,7 @@ static uint64_t frame_end(const uint8_t *info, const uint8_t *uc) {
 
 /* A fault of the program's own code, for a handler the program set: entered as the kernel
    would have entered it, not through Frida's handler, which calls it as a function from
-   code that no unwinder knows (a crash handler's backtrace() stopped there: 2 frames, 7
+   code that no unwinder knows (a crash handler's backtrace() stopped there: 2 frames, 8
    untraced).  Its signal frame is where the kernel would have put it -- the thread's
    stack, or the program's own signal stack for a SA_ONSTACK handler -- its return address
    the restorer, through which backtrace() unwinds into the program's frames, and the mask
@@ -1533,10 +1530,8 @@ static int deliver(BtThread *t, int i, int sig, uint8_t *info, uint8_t *uc, uint
     uc += shift;
     entry = at;
   }
-  if (t != NULL) {
-    t->fault_ip = ip;
-    t->fault_resume = in_copy;
-  }
+  t->fault_ip = ip;
+  t->fault_resume = in_copy;
   uint64_t mask = *(uint64_t *)(uc + UC_SIGMASK) | action->mask;
   if (!(action->flags & SA_NODEFER))
     mask |= 1ULL << (sig - 1);
@@ -1546,13 +1541,13 @@ static int deliver(BtThread *t, int i, int sig, uint8_t *info, uint8_t *uc, uint
 }
 
 /* The handlers after on_fault() see the program's instruction in the signal's context,
-   not Stalker's copy of it: a crash handler's backtrace() got 2 frames instead of 7, as no
-   unwinder knows the copy.  A process that dies of the signal dies there too (a core dump
+   not Stalker's copy of it, which no unwinder or crash reporter knows.  A process that dies of the signal dies there too (a core dump
    shows the program's pc), and one whose handler returns resumes in the copy, traced. */
 static void on_fault(int sig, void *info, void *uc) {
   uint64_t *rip = (uint64_t *)((uint8_t *)uc + UC_RIP);
   uint64_t in_copy = *rip;
-  uint64_t ip = write_fault(sig, info, uc);
+  BtThread *t = in_forked_child() ? NULL : current_thread(); /* one of ours, traced */
+  uint64_t ip = write_fault(t, sig, info, uc);
   if (ip != 0)
     *rip = ip;
   int i = 0;
@@ -1560,10 +1555,9 @@ static void on_fault(int sig, void *info, void *uc) {
     i++;
   BtSigaction *chained = &STATE->chained[i];
   const BtSigaction *program = &STATE->program[i];
-  BtThread *t = ip != 0 ? current_thread() : NULL;
   if (t != NULL)
     t->fault_resume = 0;
-  if (t != NULL && (STATE->program_known >> i & 1) && (uint64_t)program->handler > 1 &&
+  if (ip != 0 && (STATE->program_known >> i & 1) && (uint64_t)program->handler > 1 &&
       !(program->flags & SA_RESETHAND)) {
     deliver(t, i, sig, info, uc, ip, in_copy); /* returns only for want of room */
     die_of_overflow(chained, sig, info);
