@@ -1518,6 +1518,43 @@ def test_the_tool_killed_leaves_the_program_running_and_the_trace_readable(tmp_p
     assert calls_to(trace, tid, programs["spin"], "f") > 0
 
 
+def test_no_copy_of_fridas_apple_device_daemon_is_left_in_the_temporary_directory(
+    tmp_path, programs
+):
+    # With a TMPDIR of its own the recorder's Frida finds no `idund` running there and
+    # starts one, from a 10 MB copy in TMPDIR that Frida never removes.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    stale, fresh, other = (tmp / f"frida-{name}" for name in ("stale", "fresh", "other"))
+    for directory in (stale, fresh, other):
+        directory.mkdir()
+        (directory / "idund").write_bytes(b"\x7fELF")
+    os.utime(stale / "idund", (time.time() - 600,) * 2)  # a dead daemon's, left by a kill
+    (other / "frida-agent-64.so").write_bytes(b"")  # another host's directory
+    try:
+        res = record(
+            tmp_path / "d", "--", programs["loop23"], env={**os.environ, "TMPDIR": str(tmp)}
+        )
+        assert res.returncode == 0, res.stderr
+        daemons = [pid for pid, exe in _executables().items() if exe.startswith(f"{tmp}/frida-")]
+        assert daemons, "the recording started no idund of its own: the test tests nothing"
+        # its own copy (run by its daemon) and the stale one are gone; an unstarted copy
+        # another host may be about to run, and a directory with more in it, are kept
+        assert sorted(p.name for p in tmp.glob("frida-*")) == ["frida-fresh", "frida-other"]
+    finally:
+        for pid, exe in _executables().items():
+            if exe.startswith(f"{tmp}/"):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _executables() -> dict[int, str]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            found[int(entry.name)] = os.readlink(entry / "exe")
+    return found
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [

@@ -73,6 +73,7 @@ from .forkwindow import (
     proc_stat,
     stopped_by_us,
 )
+from .fridatmp import remove_daemon_copies
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
@@ -1589,10 +1590,10 @@ def _close_frida() -> None:
     attaches in about 540 to `slowfork 50 60`).  Closing Frida's device manager waits
     for that -- bounded, because it also waits for an agent that unloads only once its
     threads run again."""
-    if _frida_held_up.is_set():  # no answer would come (_ForkFollower.close)
-        return
-    with contextlib.suppress(Exception):
-        _bounded(frida.shutdown, timeout=DETACH_WAIT)
+    if not _frida_held_up.is_set():  # else no answer would come (_ForkFollower.close)
+        with contextlib.suppress(Exception):
+            _bounded(frida.shutdown, timeout=DETACH_WAIT)
+    remove_daemon_copies()
 
 
 class StalkerEngine:
