@@ -92,6 +92,8 @@ typedef struct {
   volatile uint64_t signal_gaps_due;
   uint64_t signal_gaps_done;
   volatile int in_c;     /* the thread is inside C code that moves the head or `wp` */
+  volatile int writer_lock;     /* held by whoever moves them (enter_c, bt_thread_close) */
+  volatile int close_requested; /* the script found the thread in its C code at the end */
   uint8_t *scratch_area; /* the mapping `scratch` lies in */
   uint8_t *exec_ctx;     /* Stalker's GumExecCtx for the thread, as its last block compiled */
   volatile int leaving;  /* the recording has ended: leave Stalker at the next chunk callout */
@@ -313,6 +315,46 @@ static void refill(BtThread *t) {
 }
 
 static void leave_c(BtThread *t);
+static void close_ring(BtThread *t, int from_script);
+
+/* Who moves a thread's head and `wp` other than by its inline records: the thread, in its
+   C code, or the script's thread as the recording ends (bt_thread_close) -- one at a time.
+   The script closed a thread's ring while the thread was inside a chunk claim (in stream
+   mode, waiting for the host to drain): both moved the head, and the ring's count came out
+   2^62 too high (1 attach in 18 to 8 busy threads, `loopers`, stream mode).  A signal
+   handler that interrupts C code never enters it (in_c: its GAP is left due), so the lock
+   is taken only by the outermost entry and the thread never waits for itself. */
+static int try_lock_writer(BtThread *t) {
+  int old = 1;
+  __asm__ __volatile__("xchgl %0, %1" : "+r"(old), "+m"(t->writer_lock) : : "memory");
+  return old == 0;
+}
+
+static void unlock_writer(BtThread *t) {
+  bt_barrier();
+  t->writer_lock = 0;
+}
+
+static void enter_c(BtThread *t) {
+  if (t->in_c++ == 0)
+    while (!try_lock_writer(t))
+      __asm__ __volatile__("pause");
+}
+
+/* The lock goes before in_c: a handler entered in between leaves its GAP due, which
+   leave_c writes.  A close the script asked for meanwhile is made here, by the thread. */
+static void exit_c(BtThread *t) {
+  if (t->in_c == 1) {
+    unlock_writer(t);
+    bt_full_barrier(); /* before close_requested is read: see bt_thread_close */
+    if (t->close_requested && !t->closed && try_lock_writer(t)) {
+      if (!t->closed)
+        close_ring(t, 0);
+      unlock_writer(t);
+    }
+  }
+  t->in_c--;
+}
 
 static uint8_t *context_to_let_go(BtThread *t);
 static void let_go_of_context(uint8_t *ctx);
@@ -320,7 +362,7 @@ static void release_thread(BtThread *t, int ended);
 
 static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
-  if (t->leaving && !t->left) {
+  if (t->leaving && !t->left && t->closed) {
     t->left = 1;
     bt_barrier(); /* before `wp` moves (bt_thread_let_go) */
     uint8_t *ctx = context_to_let_go(t);
@@ -333,7 +375,7 @@ static void on_chunk_end(GumCpuContext *cpu, gpointer user_data) {
       return;
     }
   }
-  t->in_c++;
+  enter_c(t);
   if (t->dropping || t->closed) {
     if (!t->closed)
       bt_lose(&t->w, scratch_slots(t));
@@ -487,6 +529,8 @@ static int open_ring(BtThread *t, const char *path, uint32_t tid) {
   t->tid = tid;
   t->dropping = 0;
   t->closed = 0;
+  t->close_requested = 0;
+  t->writer_lock = 0;
   t->map_size = size;
   t->reserve = reserve;
   t->reserve_size = reserve_size;
@@ -516,15 +560,18 @@ static void write_pending_gaps(BtThread *t) {
 
 /* Bring the writer's head up to the inline write pointer (or count what the scratch chunk
    took while dropping), before C code writes or publishes. */
-static void sync_head(BtThread *t) {
+static void sync_head_to(BtThread *t, uint64_t end) {
   if (t->dropping) {
     bt_lose(&t->w, scratch_slots(t));
   } else {
-    uint64_t end = wp_position(t);
     count_slots(t, end);
     t->w.head = (end + 7) & ~7ULL; /* a word's empty high slot was stored as zero */
   }
   write_pending_gaps(t);
+}
+
+static void sync_head(BtThread *t) {
+  sync_head_to(t, t->dropping ? 0 : wp_position(t));
 }
 
 /* The end of C code that moves the head or `wp`: the GAPs of handlers that ran meanwhile
@@ -532,27 +579,65 @@ static void sync_head(BtThread *t) {
    written after; a handler that runs once in_c is down writes its own. */
 static void leave_c(BtThread *t) {
   for (;;) {
-    t->in_c--;
+    exit_c(t);
     if (t->signal_gaps_done == t->signal_gaps_due || t->closed)
       return;
-    t->in_c++;
-    sync_head(t);
-    refill(t);
+    enter_c(t);
+    if (!t->closed) {
+      sync_head(t);
+      refill(t);
+    }
   }
 }
 
-/* Publish everything and let go of the ring (the thread exits, or tracing stops). */
-void bt_thread_close(BtThread *t) {
-  if (t->closed)
-    return;
-  t->in_c++; /* never decremented: a handler entered after this writes nothing */
-  sync_head(t);
+/* Publish everything and let go of the ring, with the writer lock held.  From the script's
+   thread (`from_script`) the traced thread may be in the middle of a record: it read `wp`
+   before we did and stores its slot where `wp` says the next one goes, which in the high
+   half of the last word would be published uncounted (1 thread in 3 attaches, `loopers`).
+   So the trace ends at the last whole word then, a slot before the end at most. */
+static void close_ring(BtThread *t, int from_script) {
+  uint64_t end = t->dropping ? 0 : wp_position(t);
+  if (from_script && (WP(t) & (BT_CHUNK - 1)) != 0 /* else its chunk's callout is next */)
+    end &= ~7ULL;
+  sync_head_to(t, end);
   t->closed = 1;
   WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
   uint64_t lost = BT_HDR64(&t->w, BT_OFF_LOST_EVENTS);
   bt_writer_close(&t->w); /* may write a last LOST record */
   count_lost_since(t, lost);
   close(t->w.fd); /* releases the writer lock */
+}
+
+/* The thread ends: it closes its own ring. */
+static void close_own_ring(BtThread *t) {
+  enter_c(t);
+  if (!t->closed)
+    close_ring(t, 0);
+  exit_c(t);
+}
+
+/* The script closes a thread's ring as the recording ends, from its own thread, once the
+   traced thread is out of its C code; that waits for the host to drain, in stream mode,
+   which it does meanwhile.  A thread still inside after 0.25 s (a process stopped with
+   SIGSTOP) is asked to close it as it leaves (exit_c), and the script goes on: each side
+   sets its own flag, then a full barrier, then reads the other's, so one of the two does. */
+void bt_thread_close(BtThread *t) {
+  for (int round = 0; !t->closed; round++) {
+    if (round == 2500) {
+      t->close_requested = 1;
+      bt_full_barrier();
+    }
+    if (try_lock_writer(t)) {
+      if (!t->closed)
+        close_ring(t, 1);
+      unlock_writer(t);
+      return;
+    }
+    if (round >= 2500)
+      return;
+    long pause_ns[2] = {0, 100000};
+    syscall(35 /* nanosleep */, pause_ns, NULL);
+  }
 }
 
 /* Stalker lets go of a thread only where the thread passes through Stalker's own code (an
@@ -605,6 +690,8 @@ int bt_thread_let_go(BtThread *t) {
   if (t->left || t->reserve == NULL /* it ended */)
     return 1;
   t->leaving = 1;
+  if (!t->closed) /* it closes its ring as it leaves its C code (bt_thread_close): `wp` */
+    return 0;     /* is where its records end until then */
   uint64_t last_slot = (uint64_t)t->scratch + BT_CHUNK - SLOT_LEAD;
   uint64_t seen = WP(t);
   bt_barrier();
@@ -670,10 +757,12 @@ static BtThread *current_thread(void) {
 void bt_thread_gap(BtThread *t, uint32_t reason) {
   if (t->closed)
     return;
-  t->in_c++;
-  sync_head(t);
-  write_gap(t, reason);
-  refill(t);
+  enter_c(t);
+  if (!t->closed) {
+    sync_head(t);
+    write_gap(t, reason);
+    refill(t);
+  }
   leave_c(t);
 }
 
@@ -975,10 +1064,12 @@ static void write_end(BtThread *t, GumCpuContext *cpu) {
                      (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK,
                      t->syscall_at & BT_PAYLOAD_MASK, cpu->rdi & BT_PAYLOAD_MASK,
                      cpu->rax & BT_PAYLOAD_MASK};
-  t->in_c++;
-  sync_head(t);
-  write_counted(t, end, 5);
-  refill(t);
+  enter_c(t);
+  if (!t->closed) {
+    sync_head(t);
+    write_counted(t, end, 5);
+    refill(t);
+  }
   leave_c(t);
 }
 
@@ -1001,7 +1092,7 @@ static void on_exit_syscall(GumCpuContext *cpu, gpointer user_data) {
   if (in_forked_child())
     return;
   write_end(t, cpu);
-  bt_thread_close(t);
+  close_own_ring(t);
   if (cpu->rax == 60 /* exit */)
     release_thread(t, 1);
 }
@@ -1183,8 +1274,12 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
   if (t == NULL || t->closed)
     return;
   t->handlers_running++;
-  if (!t->in_c) /* x86-64 passes the ucontext as the third argument, SA_SIGINFO or not */
-    finish_interrupted_record(t, gum_invocation_context_get_nth_argument(ic, 2));
+  if (!t->in_c) { /* x86-64 passes the ucontext as the third argument, SA_SIGINFO or not */
+    enter_c(t);
+    if (!t->closed)
+      finish_interrupted_record(t, gum_invocation_context_get_nth_argument(ic, 2));
+    exit_c(t);
+  }
   if (t->in_c || (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
     t->signal_gaps_due++;
     return;
@@ -1360,7 +1455,7 @@ static uint64_t write_fault(BtThread *t, int sig, const uint8_t *info, const uin
   if (sig == 6 ? code != -6 /* SI_TKILL */ || *(const int32_t *)(info + 16) != getpid()
                : !raised_again(sig, code))
     return 0; /* sent by a process, or not about one instruction */
-  if (t == NULL || t->in_c)
+  if (t == NULL || t->in_c || t->closed)
     return 0;
   uint64_t pc = *(const uint64_t *)(uc + UC_RIP);
   const BtCodeRange *range = code_range(pc);
@@ -1386,10 +1481,12 @@ static uint64_t write_fault(BtThread *t, int sig, const uint8_t *info, const uin
                        (uint64_t)(ts[0] * 1000000000L + ts[1]) & BT_PAYLOAD_MASK,
                        ip & BT_PAYLOAD_MASK, address & BT_PAYLOAD_MASK, access,
                        (uint64_t)(uint32_t)code};
-  t->in_c++;
-  sync_head(t);
-  write_counted(t, fault, 6);
-  refill(t);
+  enter_c(t);
+  if (!t->closed) {
+    sync_head(t);
+    write_counted(t, fault, 6);
+    refill(t);
+  }
   leave_c(t);
   return range != NULL ? 0 : ip;
 }
@@ -2141,7 +2238,11 @@ static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
 static void write_block_far(BtThread *t, uint64_t record) {
   if (t->closed)
     return;
-  t->in_c++;
+  enter_c(t);
+  if (t->closed) {
+    leave_c(t);
+    return;
+  }
   sync_head(t);
   uint64_t far[2] = {bt_escape(BT_RECORDTYPE_BLOCK_FAR, 1, record >> BT_BLOCK_ADDR_BITS),
                      record & ((1ULL << BT_BLOCK_ADDR_BITS) - 1)};
