@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -596,8 +597,8 @@ def _writer_done(ring: Ring) -> bool:
     return state == WriterState.CLOSED or (state == WriterState.ACTIVE and not ring.writer_alive())
 
 
-#: where the ring made ahead for the next thread waits (hidden: no thread's store)
-_SPARE_RING = ".spare.bts"
+#: where the rings made ahead for the next thread wait (hidden: no thread's store)
+_SPARE_RING = ".spare{}.bts"
 
 
 def _discard(ring: Ring) -> None:
@@ -810,8 +811,7 @@ class _Recording:
             self._spare_maker.start()
 
     def _keep_a_spare(self) -> None:
-        path = self.tracedir.path / _SPARE_RING
-        while True:
+        for made in itertools.count():
             self._spare_wanted.wait()
             self._spare_wanted.clear()
             if self._done.is_set():
@@ -819,8 +819,13 @@ class _Recording:
             with self.lock:
                 if self._spare is not None:
                     continue
+            # Each at a path of its own.  Made at the path of the spare a thread had just
+            # taken, and not yet renamed to its ring's, it replaced that file: the thread's
+            # ring became the new one's file and the host's ring object the old, unlinked
+            # one, never written (1 attach in 5 to `loopers`, wrap mode: a thread counted
+            # 0 records, or another thread's; in stream mode, its records undrained).
             try:
-                spare = self._new_ring(path, 0)
+                spare = self._new_ring(self.tracedir.path / _SPARE_RING.format(made), 0)
             except (BranchtraceError, OSError):
                 return  # a full disk: each thread's ring is made as it starts, and fails there
             with self.lock:
