@@ -252,6 +252,13 @@ def _frida_error(e: Exception, what: str) -> BranchtraceError:
         )
     if isinstance(e, frida.ExecutableNotFoundError):
         return LaunchError(f"{what}: executable not found")
+    if isinstance(e, frida.ProcessNotRespondingError):
+        # Frida's loader, before our agent, gets 5 s: seen once in about 50 attaches to 8
+        # busy threads on 2 cores (tests/programs/loopers.c)
+        return EngineUnavailableError(
+            f"{what}: Frida's agent did not answer in time as it loaded ({e})",
+            hint="the process may be too busy to answer: try again",
+        )
     if "timed out while waiting for stop" in str(e):
         # Frida's injector, before any agent: seen on a program forking a child every
         # millisecond that handles SIGCHLD (README, How it ends)
