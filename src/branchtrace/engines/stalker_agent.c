@@ -321,7 +321,8 @@ static void close_ring(BtThread *t, int from_script);
    C code, or the script's thread as the recording ends (bt_thread_close) -- one at a time.
    The script closed a thread's ring while the thread was inside a chunk claim (in stream
    mode, waiting for the host to drain): both moved the head, and the ring's count came out
-   2^62 too high (1 attach in 18 to 8 busy threads, `loopers`, stream mode).  A signal
+   a chunk's slots (16,380) too high in 5 attaches of 6 to 8 busy threads (`loopers`, stream
+   mode), and once in about 40 2^62 too high.  A signal
    handler that interrupts C code never enters it (in_c: its GAP is left due), so the lock
    is taken only by the outermost entry and the thread never waits for itself. */
 static int try_lock_writer(BtThread *t) {
@@ -593,8 +594,8 @@ static void leave_c(BtThread *t) {
 /* Publish everything and let go of the ring, with the writer lock held.  From the script's
    thread (`from_script`) the traced thread may be in the middle of a record: it read `wp`
    before we did and stores its slot where `wp` says the next one goes, which in the high
-   half of the last word would be published uncounted (1 thread in 3 attaches, `loopers`).
-   So the trace ends at the last whole word then, a slot before the end at most. */
+   half of the last word would be published uncounted (a thread or two in 7 attaches of 8
+   to `loopers`).  So the trace ends at the last whole word then, a slot before at most. */
 static void close_ring(BtThread *t, int from_script) {
   uint64_t end = t->dropping ? 0 : wp_position(t);
   if (from_script && (WP(t) & (BT_CHUNK - 1)) != 0 /* else its chunk's callout is next */)
