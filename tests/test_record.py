@@ -505,7 +505,7 @@ def test_faults_a_handler_recovers_from_are_in_the_trace_and_the_program_runs_on
     # after the first one (1 call of poke recorded) until it was followed again from there
     assert calls_to(trace, tid, programs["faults"], "poke") == 3
     if engine == "stalker":
-        assert "3 left by a jump (siglongjmp), traced again from it" in res.stderr
+        assert "3 left elsewhere (siglongjmp, or a pc moved), traced again from there" in res.stderr
         gaps = records[records["type"] == RecordType.GAP]["arg"].tolist()
         assert gaps == [GapReason.SIGNAL, GapReason.LEFT_HANDLER] * 3
     end = branchtrace.open(trace.path).end(tid)
@@ -547,6 +547,27 @@ def test_a_fault_whose_handler_returns_is_made_again_and_traced_on(tmp_path, pro
     assert calls_to(traced, tid, faults, "after") == 3
     end = trace.end(tid)
     assert end is not None and (end.call, end.status) == ("exit_group", 0)
+
+
+@pytest.mark.parametrize("engine", ["stalker", "step"])
+def test_a_thread_whose_handler_moves_its_pc_on_is_traced_from_there(tmp_path, programs, engine):
+    # the handler sends the thread to resumed() instead of back to poke's store: it used to
+    # run on natively, untraced for good, its trace ending at the fault as if it had crashed
+    faults = programs["faults"]
+    native, res = untraced_then_traced(
+        tmp_path / "d", str(faults), "skip", options=("--engine", engine)
+    )
+    assert (res.returncode, res.stdout) == (native.returncode, native.stdout) == (0, "skipped 3\n")
+    trace = branchtrace.open(tmp_path / "d")
+    tid = trace.meta["pid"]
+    ((_, fault),) = trace.faults(tid)
+    store = instruction_in(trace.modules(tid), "faults", "poke", "mov dword ptr [rax], 0x2a")
+    assert (fault.signal, fault.address, fault.access) == (signal.SIGSEGV, store, FaultAccess.WRITE)
+    traced = TraceDir.open(tmp_path / "d")
+    assert calls_to(traced, tid, faults, "after") == 3
+    end = trace.end(tid)
+    assert end is not None and (end.call, end.status) == ("exit_group", 0)
+    assert_counts_are_the_records(traced)
 
 
 @pytest.mark.parametrize("engine", ["stalker", "step"])

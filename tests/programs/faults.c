@@ -12,6 +12,8 @@
    retry  poke() writes to a page it may not, under a handler that lets it (mprotect) and
           returns, so that the write is made again and succeeds; then after() is called 3
           times, and "retried" printed
+   skip   poke() faults under a SA_SIGINFO handler that moves the pc on to resumed(), which
+          calls after() 3 times, prints "skipped 3" and exits 0
    raw    a SIGSEGV handler is set with the rt_sigaction system call itself, as a runtime
           does (Go's); prints "registered" and reads a line; poke() faults, and the
           handler says whether the interrupted pc it is given lies in poke ("raw handler:
@@ -123,6 +125,19 @@ __attribute__((noinline)) void after(void) { zero++; }
 
 static void on_segv_unlock(int sig) { mprotect(locked, 4096, PROT_READ | PROT_WRITE); }
 
+/* entered from poke's fault with poke's stack pointer: as after a call, so aligned */
+__attribute__((noinline, noreturn)) void resumed(void) {
+  for (int i = 0; i < 3; i++)
+    after();
+  printf("skipped %d\n", zero);
+  fflush(stdout);
+  _exit(0);
+}
+
+static void on_segv_skip(int sig, siginfo_t *info, void *context) {
+  ((ucontext_t *)context)->uc_mcontext.gregs[REG_RIP] = (greg_t)resumed;
+}
+
 /* the kernel's struct sigaction, and a restorer of our own, as a runtime has */
 struct kernel_sigaction {
   void (*handler)(int, siginfo_t *, void *);
@@ -205,6 +220,11 @@ static int fault(const char *mode) {
       after();
     printf("retried %d\n", *(int *)locked);
     return 0;
+  }
+  if (!strcmp(mode, "skip")) {
+    struct sigaction act = {.sa_sigaction = on_segv_skip, .sa_flags = SA_SIGINFO};
+    sigaction(SIGSEGV, &act, NULL);
+    poke(NULL);
   }
   if (!strcmp(mode, "raw")) {
     struct kernel_sigaction act = {on_segv_raw, SA_SIGINFO | 0x04000000 /* SA_RESTORER */,

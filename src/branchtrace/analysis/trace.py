@@ -63,7 +63,9 @@ def describe_break(row: np.void) -> str:
     if int(row["untraced"]) == GapReason.FORK:
         return "fork() ran here, untraced"
     if int(row["untraced"]) == GapReason.LEFT_HANDLER:
-        return "a signal handler ran here, untraced, and jumped out (siglongjmp)"
+        return (
+            "a signal handler ran here, untraced, and left elsewhere (siglongjmp, or a pc it moved)"
+        )
     if int(row["untraced"]):
         return f"untraced code ran here (gap reason {int(row['untraced'])})"
     lost = int(row["lost"])

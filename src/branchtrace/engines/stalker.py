@@ -1663,7 +1663,11 @@ class StalkerEngine:
             result.warnings.append(
                 f"signal handlers ran {untraced['signal']} times untraced (Stalker does not "
                 "follow them); GAP records mark where"
-                + (f"; {left} left by a jump (siglongjmp), traced again from it" if left else "")
+                + (
+                    f"; {left} left elsewhere (siglongjmp, or a pc moved), traced again from there"
+                    if left
+                    else ""
+                )
             )
         if rec.traced_from == "main" and rec.init is not None:
             result.warnings.append(

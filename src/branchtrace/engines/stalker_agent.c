@@ -58,6 +58,9 @@
  */
 
 #define BT_CHUNK 65536
+/* A thread's refollow stub (bt_new_refollow in stalker_agent.js): 16 bytes of nop that
+   Frida's hook takes, then jmp [rip]; the target at this offset. */
+#define BT_REFOLLOW_TARGET 22
 #define WP(t) (*(t)->wpp)
 /* wp points this far past the last slot: a slot is stored as 8 bytes at wp - 4, the block
    id and a zero for the slot after it, so a word is always whole (docs/format.md) */
@@ -101,6 +104,9 @@ typedef struct {
   uint64_t syscall_at;   /* the program's system call instruction the thread last entered */
   struct BtCopyChunk *copies; /* where its blocks' instructions are in Stalker's copy */
   int handlers_running;  /* signal handlers entered and not returned from (bt_on_longjmp) */
+  uint64_t handler_uc[8]; /* the signal frame of each (the first 8) and the pc it held as */
+  uint64_t handler_pc[8]; /* the handler was entered (bt_on_sigreturn) */
+  uint8_t *refollow;     /* where a thread whose handler moved its pc is followed again */
   int altstack_tried;    /* arm_altstack() has run on the thread */
   uint8_t *altstack;     /* the signal stack it armed for the thread, or NULL */
   uint64_t fault_ip;     /* the program's instruction of the fault deliver() handed the */
@@ -1275,11 +1281,16 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
   if (t == NULL || t->closed)
     return;
   t->handlers_running++;
-  if (!t->in_c) { /* x86-64 passes the ucontext as the third argument, SA_SIGINFO or not */
+  uint8_t *uc = gum_invocation_context_get_nth_argument(ic, 2); /* SA_SIGINFO or not */
+  if (!t->in_c) {
     enter_c(t);
     if (!t->closed)
-      finish_interrupted_record(t, gum_invocation_context_get_nth_argument(ic, 2));
+      finish_interrupted_record(t, uc);
     exit_c(t);
+  }
+  if (t->handlers_running <= 8 && uc != NULL) {
+    t->handler_uc[t->handlers_running - 1] = (uint64_t)uc;
+    t->handler_pc[t->handlers_running - 1] = *(uint64_t *)(uc + 168 /* UC_RIP */);
   }
   if (t->in_c || (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
     t->signal_gaps_due++;
@@ -1295,17 +1306,48 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
    handler, the restorer, counts it returned (bt_on_sigreturn), and siglongjmp() called
    while a handler runs marks where the thread left it (a GAP, which breaks the chain) and
    follows the thread again from there: the jump itself and all after it are traced. */
+extern void *bt_new_refollow(void);
+
 void bt_on_sigreturn(GumInvocationContext *ic) {
   BtThread *t = in_forked_child() ? NULL : current_thread();
   if (t == NULL)
     return;
+  int depth = t->handlers_running;
   if (t->handlers_running > 0)
     t->handlers_running--;
   /* the restorer is entered with the stack pointer at the signal frame's ucontext */
-  uint64_t *rip = (uint64_t *)(ic->cpu_context->rsp + 168 /* UC_RIP */);
-  if (t->fault_resume != 0 && *rip == t->fault_ip)
-    *rip = t->fault_resume; /* deliver()'s handler returned: on in the copy, traced */
+  uint64_t uc = ic->cpu_context->rsp;
+  uint64_t *rip = (uint64_t *)(uc + 168 /* UC_RIP */);
+  uint64_t resume = t->fault_resume;
   t->fault_resume = 0;
+  if (resume != 0 && *rip == t->fault_ip) {
+    *rip = resume; /* deliver()'s handler returned: on in the copy, traced */
+    return;
+  }
+  /* The handler moved the pc on (past a faulting instruction, or to a function, as Go's
+     runtime does to panic): the thread would go on natively and untraced for good, its
+     trace ending at the fault as if it had crashed there (a handler skipping the faulting
+     instruction: the 3 calls after it and the rest of main missing).  It goes to the
+     thread's refollow stub instead, which follows it again (bt_on_refollow), then jumps
+     where the handler said. */
+  if (depth < 1 || depth > 8 || t->handler_uc[depth - 1] != uc ||
+      *rip == t->handler_pc[depth - 1] || t->closed || is_frida_code(*rip))
+    return;
+  if (t->refollow == NULL)
+    t->refollow = bt_new_refollow();
+  if (t->refollow != NULL) {
+    *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
+    *rip = (uint64_t)t->refollow;
+  }
+}
+
+/* The refollow stub, hooked: a thread is there with the registers its handler gave it. */
+void bt_on_refollow(GumInvocationContext *ic) {
+  BtThread *t = in_forked_child() ? NULL : current_thread();
+  if (t == NULL || t->closed)
+    return; /* the stub jumps on, natively */
+  bt_thread_gap(t, BT_GAPREASON_LEFT_HANDLER);
+  bt_follow_again();
 }
 
 void bt_on_longjmp(GumInvocationContext *ic) {

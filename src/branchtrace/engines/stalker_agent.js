@@ -173,6 +173,23 @@ function hookHandlerExits() {
     }
   }
 }
+// A thread whose signal handler moved its pc on (bt_on_sigreturn in stalker_agent.c) goes
+// through a stub of its own on its way back: 16 nops, which the hook takes, then
+// `jmp [rip]` to the target the agent writes after it.  Mapped for good (a thread may be
+// on its way there as this script unloads; the stub then just jumps) and cloaked: its
+// code is not the program's and gets no record.
+const newRefollow = new NativeCallback(() => {
+  const mmap = new NativeFunction(libc('mmap'), 'pointer',
+    ['pointer', 'size_t', 'int', 'int', 'int', 'int64']);
+  const stub = mmap(NULL, Process.pageSize, 7 /* RWX */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+  if (stub.equals(ptr(-1))) {
+    return NULL;
+  }
+  stub.writeByteArray([...new Array(16).fill(0x90), 0xff, 0x25, 0, 0, 0, 0]);
+  Cloak.addRange({ base: stub, size: Process.pageSize });
+  attach(stub, cm.bt_on_refollow);
+  return stub;
+}, 'pointer', []);
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
   bt_new_handler: newHandler,
@@ -182,6 +199,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_after_fork: afterFork,
   bt_fork_returned: forkReturned,
   bt_follow_again: followAgain,
+  bt_new_refollow: newRefollow,
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
   syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),

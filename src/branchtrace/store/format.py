@@ -123,8 +123,9 @@ class BranchKind(IntEnum):
 class GapReason(IntEnum):
     FORK = 1  #: fork() runs untraced (Frida Stalker cannot follow a thread through it)
     SIGNAL = 2  #: a signal handler runs untraced (the kernel enters it outside Stalker)
-    #: a signal handler left by a jump (siglongjmp) instead of returning: the thread is
-    #: traced again from that jump, and no branch spans the gap
+    #: a signal handler left by a jump (siglongjmp), or returned to a pc it moved, rather
+    #: than to where the signal came: the thread is traced again from there, and no branch
+    #: spans the gap
     LEFT_HANDLER = 3
 
 
