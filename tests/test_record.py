@@ -549,6 +549,16 @@ def test_a_fault_whose_handler_returns_is_made_again_and_traced_on(tmp_path, pro
     assert end is not None and (end.call, end.status) == ("exit_group", 0)
 
 
+def test_a_handler_on_a_signal_stack_the_program_never_set_has_a_thread_stacks_room(
+    tmp_path, programs
+):
+    # SA_ONSTACK without a signal stack of the program's: natively the handler runs on the
+    # thread's stack; traced, on the agent's, which was 64 KiB: the program died of SIGSEGV
+    native, res = untraced_then_traced(tmp_path / "d", str(programs["onstack"]))
+    assert (res.returncode, res.stdout) == (native.returncode, native.stdout) == (0, "handled 2\n")
+    assert "signal handlers ran 2 times untraced" in res.stderr
+
+
 @pytest.mark.parametrize("engine", ["stalker", "step"])
 def test_a_thread_whose_handler_moves_its_pc_on_is_traced_from_there(tmp_path, programs, engine):
     # the handler sends the thread to resumed() instead of back to poke's store: it used to
@@ -2206,7 +2216,7 @@ def test_detaching_lets_go_of_threads_looping_in_compiled_code(tmp_path, program
     loopers = programs["loopers"]
     with attach_target(loopers, 8, stdin=subprocess.PIPE) as target:
         options = ["--mode", mode, "--duration", "0.5", "-p", str(target.pid)]
-        for _ in range(2):  # once more if Frida's loader did not answer (1 attach in ~50)
+        for _ in range(2):  # once more if Frida's loader did not answer (1 attach in ~75)
             tool = subprocess.Popen(
                 [*BT, "record", "-o", str(tmp_path / "d"), *options],
                 stderr=subprocess.PIPE,

@@ -253,7 +253,7 @@ def _frida_error(e: Exception, what: str) -> BranchtraceError:
     if isinstance(e, frida.ExecutableNotFoundError):
         return LaunchError(f"{what}: executable not found")
     if isinstance(e, frida.ProcessNotRespondingError):
-        # Frida's loader, before our agent, gets 5 s: seen once in about 50 attaches to 8
+        # Frida's loader, before our agent, gets 5 s: seen once in some 75 attaches to 8
         # busy threads on 2 cores (tests/programs/loopers.c)
         return EngineUnavailableError(
             f"{what}: Frida's agent did not answer in time as it loaded ({e})",

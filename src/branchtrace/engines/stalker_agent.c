@@ -113,8 +113,13 @@ typedef struct {
   uint64_t fault_resume; /* program's handler, and where in Stalker's copy it goes on */
 } BtThread;
 
-/* The agent's signal stacks (arm_altstack): 64 KiB above a guard page. */
-#define BT_ALTSTACK_SIZE (64 * 1024)
+/* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
+   pages a handler touches are all it costs).  A handler the program registers with
+   SA_ONSTACK for another signal, in a thread without a signal stack of its own, runs on
+   it, where natively it runs on the thread's stack: with 64 KiB, one using 100 KiB of
+   stack (fine untraced) killed the program (tests/programs/onstack.c).  8 MiB is what a
+   thread's stack usually is. */
+#define BT_ALTSTACK_SIZE (8 * 1024 * 1024)
 #define BT_GUARD 4096
 #define BT_SS_DISABLE 2
 #define BT_SS_AUTODISARM (1U << 31)
