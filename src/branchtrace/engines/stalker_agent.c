@@ -59,8 +59,8 @@
 
 #define BT_CHUNK 65536
 /* A thread's refollow stub (bt_new_refollow in stalker_agent.js): 16 bytes of nop that
-   Frida's hook takes, then jmp [rip]; the target at this offset. */
-#define BT_REFOLLOW_TARGET 22
+   Frida's hook takes, then a jump through the target at this offset (the next page). */
+#define BT_REFOLLOW_TARGET 4096
 #define WP(t) (*(t)->wpp)
 /* wp points this far past the last slot: a slot is stored as 8 bytes at wp - 4, the block
    id and a zero for the slot after it, so a word is always whole (docs/format.md) */

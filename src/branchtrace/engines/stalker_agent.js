@@ -174,19 +174,26 @@ function hookHandlerExits() {
   }
 }
 // A thread whose signal handler moved its pc on (bt_on_sigreturn in stalker_agent.c) goes
-// through a stub of its own on its way back: 16 nops, which the hook takes, then
-// `jmp [rip]` to the target the agent writes after it.  Mapped for good (a thread may be
-// on its way there as this script unloads; the stub then just jumps) and cloaked: its
+// through a stub of its own on its way back: 16 nops, which the hook takes, then a jump to
+// the target the agent writes in the next page (the code's page is not writable, for
+// systems that refuse memory both writable and executable).  Mapped for good (a thread may
+// be on its way there as this script unloads; the stub then just jumps) and cloaked: its
 // code is not the program's and gets no record.
 const newRefollow = new NativeCallback(() => {
   const mmap = new NativeFunction(libc('mmap'), 'pointer',
     ['pointer', 'size_t', 'int', 'int', 'int', 'int64']);
-  const stub = mmap(NULL, Process.pageSize, 7 /* RWX */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+  const page = 4096; // BT_REFOLLOW_TARGET
+  const stub = mmap(NULL, 2 * page, 3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
   if (stub.equals(ptr(-1))) {
     return NULL;
   }
-  stub.writeByteArray([...new Array(16).fill(0x90), 0xff, 0x25, 0, 0, 0, 0]);
-  Cloak.addRange({ base: stub, size: Process.pageSize });
+  const disp = page - 22; // jmp qword [rip + disp]: from the end of the jmp to the target
+  stub.writeByteArray([...new Array(16).fill(0x90), 0xff, 0x25,
+    disp & 0xff, (disp >> 8) & 0xff, 0, 0]);
+  if (!Memory.protect(stub, page, 'r-x')) {
+    return NULL;
+  }
+  Cloak.addRange({ base: stub, size: 2 * page });
   attach(stub, cm.bt_on_refollow);
   return stub;
 }, 'pointer', []);
