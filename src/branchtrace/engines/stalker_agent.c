@@ -1293,9 +1293,10 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
       finish_interrupted_record(t, uc);
     exit_c(t);
   }
-  if (t->handlers_running <= 8 && uc != NULL) {
+  uint64_t pc; /* read safely: a handler called as a function gets no ucontext */
+  if (t->handlers_running <= 8 && uc != NULL && read_safely(uc + 168 /* UC_RIP */, &pc, 8)) {
     t->handler_uc[t->handlers_running - 1] = (uint64_t)uc;
-    t->handler_pc[t->handlers_running - 1] = *(uint64_t *)(uc + 168 /* UC_RIP */);
+    t->handler_pc[t->handlers_running - 1] = pc;
   }
   if (t->in_c || (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
     t->signal_gaps_due++;
