@@ -51,6 +51,28 @@ def programs() -> dict[str, Path]:
     return {src.stem: build(src, fixture_flags(src)) for src in sources}
 
 
+@pytest.fixture(scope="session")
+def gocgo() -> Path:
+    """tests/programs/gocgo built with the Go toolchain (its cache beside the C fixtures')."""
+    out = BUILD_DIR / "gocgo"
+    env = {
+        **os.environ,
+        "CGO_ENABLED": "1",
+        "GOCACHE": str(BUILD_DIR / "go-cache"),
+        "GOPATH": str(BUILD_DIR / "go-path"),
+        "GOFLAGS": "-mod=mod",
+    }
+    subprocess.run(
+        ["go", "build", "-o", str(out), "."],
+        cwd=PROGRAMS / "gocgo",
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return out
+
+
 def fixture_flags(source: Path) -> list[str]:
     for line in source.read_text().splitlines()[:3]:
         if "cflags:" in line:

@@ -549,6 +549,35 @@ def test_a_fault_whose_handler_returns_is_made_again_and_traced_on(tmp_path, pro
     assert end is not None and (end.call, end.status) == ("exit_group", 0)
 
 
+@pytest.mark.skipif(shutil.which("go") is None, reason="needs a Go toolchain (Debian: golang-go)")
+def test_a_go_program_is_traced_through_its_signals_and_a_recovered_panic(tmp_path, gocgo):
+    # Go's runtime sets its handlers with the rt_sigaction system call, preempts goroutines
+    # with SIGURG, and turns a nil dereference into a panic by moving the faulting thread's
+    # pc to sigpanic from its SIGSEGV handler: each of these used to lose or end the trace
+    native, res = untraced_then_traced(tmp_path / "d", str(gocgo))
+    assert (res.returncode, res.stdout) == (native.returncode, native.stdout)
+    assert res.stdout == "2 3500 2800000 recovered\n"
+    assert "1 left elsewhere (siglongjmp, or a pc moved)" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert sum(calls_to(trace, tid, gocgo, "main.f") for tid in trace.threads()) == 801_000
+    # the panic's way to the deferred recover() (called through a register), after the
+    # handler moved the pc
+    deferred = "main.recovered.func1"
+    assert sum(indirect_calls_to(trace, tid, gocgo, deferred) for tid in trace.threads()) == 1
+    assert_counts_are_the_records(trace, decode=False)
+    # unrecovered, it dies of the panic (exit status 2) as untraced; both nil dereferences
+    # are FAULTs in main.nilDeref
+    native, res = untraced_then_traced(tmp_path / "e", str(gocgo), "crash")
+    assert res.returncode == native.returncode == 2
+    assert res.stderr.count("panic: runtime error: invalid memory address") == 1
+    crashed = branchtrace.open(tmp_path / "e")
+    faults = [f for tid in crashed.threads for _, f in crashed.faults(tid)]
+    where = crashed.modules(crashed.meta["pid"]).symbolize(
+        np.array([f.address for f in faults], np.uint64)
+    )
+    assert [w.split("+")[0] for w in where] == ["main.nilDeref"] * 2, where
+
+
 def test_a_handler_on_a_signal_stack_the_program_never_set_has_a_thread_stacks_room(
     tmp_path, programs
 ):

@@ -133,6 +133,17 @@ class Engine(Protocol):
     ) -> RecordResult: ...
 
 
+def statically_linked(program: Path) -> bool:
+    """Whether the executable has no program interpreter (no dynamic loader, so no C
+    library of its own loading: Go's programs by default, `gcc -static`).  False when it
+    cannot be read."""
+    try:
+        with open(program, "rb") as f:
+            return not any(s["p_type"] == "PT_INTERP" for s in ELFFile(f).iter_segments())
+    except (OSError, ELFError):
+        return False
+
+
 def init_offset(program: Path) -> int | None:
     """The executable's `_init` (its DT_INIT function) as an offset from its load base (its
     lowest mapping), or None if it has none.  libc's start-up calls it right before the

@@ -65,6 +65,7 @@ from .base import (
     finish_meta,
     init_offset,
     start_meta,
+    statically_linked,
 )
 from .forkwindow import (
     ForksUnderFrida,
@@ -239,6 +240,20 @@ def _check_attachable(pid: int) -> None:
         raise AlreadyTracedError(
             f"process {pid} is already traced by branchtrace into {other[0]}",
             hint="stop that recording first",
+        )
+
+
+def _check_dynamically_linked(executable: Path, target: Target) -> None:
+    """Frida loads its agent through the program's own dynamic loader and C library; in a
+    statically linked program, which has neither, its loader crashed (`gcc -static`, and
+    Go's programs by default: "Frida failed: loader crashed with signal 11", and 17 lines
+    of registers)."""
+    if statically_linked(executable):
+        what = target.argv[0] if target.argv else f"pid {target.pid}"
+        raise EngineUnavailableError(
+            f"{what} is statically linked: Frida cannot load the stalker engine's agent into it",
+            hint="record it with --engine step (much slower), or link it dynamically "
+            "(Go: go build -ldflags=-linkmode=external)",
         )
 
 
@@ -1628,6 +1643,7 @@ class StalkerEngine:
         program = resolve_program(target.argv[0]) if target.argv else None
         if target.pid is not None:
             _check_attachable(target.pid)
+        _check_dynamically_linked(program or Path(f"/proc/{target.pid}/exe"), target)
         tracedir = TraceDir.create(options.output)
         rec = _Recording(tracedir, options)
         meta = start_meta(self.name, options, target.argv, str(program) if program else None)
