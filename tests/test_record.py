@@ -36,6 +36,7 @@ from branchtrace.symbols import ModuleMap
 from branchtrace.x86 import memory_access
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
+PROGRAMS = Path(__file__).parent / "programs"
 #: what the symbols call libc's fork()
 FORK_NAMES = {"fork", "__fork", "__libc_fork"}
 
@@ -1651,6 +1652,31 @@ def test_non_executable_non_elf_and_unwritable_output(tmp_path):
     blocker.write_text("")
     res = record(blocker / "d", "--", "/bin/true")
     assert res.returncode == 3 and "cannot write" in res.stderr
+
+
+def test_a_statically_linked_program_is_refused_in_one_line_and_the_step_engine_traces_it(
+    tmp_path,
+):
+    # Frida's loader needs the program's dynamic loader: it crashed in a static program,
+    # printing 17 lines of registers
+    static = {}
+    for name in ("loop23", "spin"):
+        static[name] = tmp_path / f"{name}-static"
+        source = PROGRAMS / f"{name}.c"
+        subprocess.run(["gcc", "-static", "-O0", "-o", str(static[name]), str(source)], check=True)
+    res = record(tmp_path / "d", "--", str(static["loop23"]))
+    assert res.returncode == 13, res.stderr
+    assert "is statically linked" in res.stderr and "--engine step" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
+    with attach_target(static["spin"], "until-told", stdin=subprocess.PIPE) as target:
+        res = record(tmp_path / "d", "-p", str(target.pid))
+        assert res.returncode == 13 and f"pid {target.pid} is statically linked" in res.stderr
+        assert not (tmp_path / "d").exists()
+        target.stdin.close()
+    res = record(tmp_path / "s", "--engine", "step", "--", str(static["loop23"]))
+    assert res.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "s")
+    assert calls_to(trace, trace.meta()["pid"], static["loop23"], "f") == 23
 
 
 def test_an_already_traced_process_is_refused(tmp_path, spin):
