@@ -51,26 +51,35 @@ def programs() -> dict[str, Path]:
     return {src.stem: build(src, fixture_flags(src)) for src in sources}
 
 
-@pytest.fixture(scope="session")
-def gocgo() -> Path:
-    """tests/programs/gocgo built with the Go toolchain (its cache beside the C fixtures')."""
-    out = BUILD_DIR / "gocgo"
+def build_go(name: str, cgo: bool) -> Path:
+    """tests/programs/NAME built with the Go toolchain (its cache beside the C fixtures')."""
+    out = BUILD_DIR / name
     env = {
         **os.environ,
-        "CGO_ENABLED": "1",
+        "CGO_ENABLED": "1" if cgo else "0",
         "GOCACHE": str(BUILD_DIR / "go-cache"),
         "GOPATH": str(BUILD_DIR / "go-path"),
         "GOFLAGS": "-mod=mod",
     }
     subprocess.run(
         ["go", "build", "-o", str(out), "."],
-        cwd=PROGRAMS / "gocgo",
+        cwd=PROGRAMS / name,
         env=env,
         check=True,
         capture_output=True,
         timeout=600,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def gocgo() -> Path:
+    return build_go("gocgo", cgo=True)
+
+
+@pytest.fixture(scope="session")
+def gonocgo() -> Path:
+    return build_go("gonocgo", cgo=False)
 
 
 def fixture_flags(source: Path) -> list[str]:

@@ -579,6 +579,16 @@ def test_a_go_program_is_traced_through_its_signals_and_a_recovered_panic(tmp_pa
     assert [w.split("+")[0] for w in where] == ["main.nilDeref"] * 2, where
 
 
+@pytest.mark.skipif(shutil.which("go") is None, reason="needs a Go toolchain (Debian: golang-go)")
+def test_a_go_program_without_cgo_is_refused_in_one_line(tmp_path, gonocgo):
+    # its runtime makes its threads without the C library: Frida's loader crashed in it
+    # (statically linked), or, linked dynamically, the program died traced
+    res = record(tmp_path / "d", "--", str(gonocgo))
+    assert res.returncode == 13, res.stderr
+    assert "is a Go program built without cgo" in res.stderr and "CGO_ENABLED=1" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
+
+
 def test_a_handler_on_a_signal_stack_the_program_never_set_has_a_thread_stacks_room(
     tmp_path, programs
 ):

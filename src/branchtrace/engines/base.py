@@ -144,6 +144,23 @@ def statically_linked(program: Path) -> bool:
         return False
 
 
+def go_without_cgo(program: Path) -> bool:
+    """Whether the executable is a Go program built without cgo, whose runtime starts its
+    threads itself, not through the C library's pthread_create() (which a Go program
+    imports only with cgo; without, it is most often statically linked).  False when it
+    cannot be read."""
+    try:
+        with open(program, "rb") as f:
+            elf = ELFFile(f)
+            if elf.get_section_by_name(".go.buildinfo") is None:
+                return False
+            dynsym = elf.get_section_by_name(".dynsym")
+            names = [] if dynsym is None else [s.name for s in dynsym.iter_symbols()]
+            return "pthread_create" not in {name.split("@")[0] for name in names}
+    except (OSError, ELFError):
+        return False
+
+
 def init_offset(program: Path) -> int | None:
     """The executable's `_init` (its DT_INIT function) as an offset from its load base (its
     lowest mapping), or None if it has none.  libc's start-up calls it right before the

@@ -63,6 +63,7 @@ from .base import (
     Target,
     ThreadStats,
     finish_meta,
+    go_without_cgo,
     init_offset,
     start_meta,
     statically_linked,
@@ -243,17 +244,25 @@ def _check_attachable(pid: int) -> None:
         )
 
 
-def _check_dynamically_linked(executable: Path, target: Target) -> None:
+def _check_frida_can_run_in(executable: Path, target: Target) -> None:
     """Frida loads its agent through the program's own dynamic loader and C library; in a
     statically linked program, which has neither, its loader crashed (`gcc -static`, and
     Go's programs by default: "Frida failed: loader crashed with signal 11", and 17 lines
-    of registers)."""
+    of registers).  And its code on a program's thread expects the C library's thread
+    state: a Go program linked dynamically without cgo, whose runtime makes its threads
+    itself, died traced in pthread_getspecific() (3 runs of 3)."""
+    what = target.argv[0] if target.argv else f"pid {target.pid}"
+    if go_without_cgo(executable):  # (the step engine, which starts at main, cannot either)
+        raise EngineUnavailableError(
+            f"{what} is a Go program built without cgo: its runtime makes its threads itself, "
+            "and Frida needs the C library's",
+            hint='build it with cgo: CGO_ENABLED=1 and import "C", or a package that uses it '
+            "such as net",
+        )
     if statically_linked(executable):
-        what = target.argv[0] if target.argv else f"pid {target.pid}"
         raise EngineUnavailableError(
             f"{what} is statically linked: Frida cannot load the stalker engine's agent into it",
-            hint="record it with --engine step (much slower), or link it dynamically "
-            "(Go: go build -ldflags=-linkmode=external)",
+            hint="record it with --engine step (much slower), or link it dynamically",
         )
 
 
@@ -1643,7 +1652,7 @@ class StalkerEngine:
         program = resolve_program(target.argv[0]) if target.argv else None
         if target.pid is not None:
             _check_attachable(target.pid)
-        _check_dynamically_linked(program or Path(f"/proc/{target.pid}/exe"), target)
+        _check_frida_can_run_in(program or Path(f"/proc/{target.pid}/exe"), target)
         tracedir = TraceDir.create(options.output)
         rec = _Recording(tracedir, options)
         meta = start_meta(self.name, options, target.argv, str(program) if program else None)
