@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from elftools.common.exceptions import ELFError
 from elftools.elf.dynamic import DynamicSegment
 from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 
 from ..store import Mode
 from ..store.tracedir import thread_label
@@ -155,7 +156,8 @@ def go_without_cgo(program: Path) -> bool:
             if elf.get_section_by_name(".go.buildinfo") is None:
                 return False
             dynsym = elf.get_section_by_name(".dynsym")
-            names = [] if dynsym is None else [s.name for s in dynsym.iter_symbols()]
+            symbols = dynsym.iter_symbols() if isinstance(dynsym, SymbolTableSection) else []
+            names = [symbol.name for symbol in symbols]
             return "pthread_create" not in {name.split("@")[0] for name in names}
     except (OSError, ELFError):
         return False
