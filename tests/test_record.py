@@ -531,13 +531,19 @@ def test_a_handler_of_the_program_is_given_the_pc_of_its_own_instruction(
 
 
 @pytest.mark.parametrize("engine", ["stalker", "step"])
-def test_a_fault_whose_handler_returns_is_made_again_and_traced_on(tmp_path, programs, engine):
-    # the handler lets poke() write and returns: the store is made again, and the thread
-    # goes on traced in Stalker's copy of the code (its handler entered by the agent returns
-    # through the restorer, whose hook sends it back there)
+@pytest.mark.parametrize(("mode", "said"), [("retry", "retried 42\n"), ("skip", "skipped 3\n")])
+def test_a_fault_whose_handler_returns_is_traced_on(tmp_path, programs, engine, mode, said):
+    # retry: the handler lets poke() write and returns: the store is made again, and the
+    # thread goes on traced in Stalker's copy of the code (its handler entered by the agent
+    # returns through the restorer, whose hook sends it back there).  skip: the handler
+    # moves the pc on to resumed(): the thread ran on natively, untraced for good, its trace
+    # ending at the fault as if it had crashed there, until the restorer's hook sent it
+    # through a stub that follows it again
     faults = programs["faults"]
-    res = record(tmp_path / "d", "--engine", engine, "--", str(faults), "retry")
-    assert (res.returncode, res.stdout) == (0, "retried 42\n"), res.stderr
+    native, res = untraced_then_traced(
+        tmp_path / "d", str(faults), mode, options=("--engine", engine)
+    )
+    assert (res.returncode, res.stdout) == (native.returncode, native.stdout) == (0, said)
     trace = branchtrace.open(tmp_path / "d")
     tid = trace.meta["pid"]
     ((_, fault),) = trace.faults(tid)
@@ -548,6 +554,7 @@ def test_a_fault_whose_handler_returns_is_made_again_and_traced_on(tmp_path, pro
     assert calls_to(traced, tid, faults, "after") == 3
     end = trace.end(tid)
     assert end is not None and (end.call, end.status) == ("exit_group", 0)
+    assert_counts_are_the_records(traced)
 
 
 @pytest.mark.skipif(shutil.which("go") is None, reason="needs a Go toolchain (Debian: golang-go)")
@@ -597,27 +604,6 @@ def test_a_handler_on_a_signal_stack_the_program_never_set_has_a_thread_stacks_r
     native, res = untraced_then_traced(tmp_path / "d", str(programs["onstack"]))
     assert (res.returncode, res.stdout) == (native.returncode, native.stdout) == (0, "handled 2\n")
     assert "signal handlers ran 2 times untraced" in res.stderr
-
-
-@pytest.mark.parametrize("engine", ["stalker", "step"])
-def test_a_thread_whose_handler_moves_its_pc_on_is_traced_from_there(tmp_path, programs, engine):
-    # the handler sends the thread to resumed() instead of back to poke's store: it used to
-    # run on natively, untraced for good, its trace ending at the fault as if it had crashed
-    faults = programs["faults"]
-    native, res = untraced_then_traced(
-        tmp_path / "d", str(faults), "skip", options=("--engine", engine)
-    )
-    assert (res.returncode, res.stdout) == (native.returncode, native.stdout) == (0, "skipped 3\n")
-    trace = branchtrace.open(tmp_path / "d")
-    tid = trace.meta["pid"]
-    ((_, fault),) = trace.faults(tid)
-    store = instruction_in(trace.modules(tid), "faults", "poke", "mov dword ptr [rax], 0x2a")
-    assert (fault.signal, fault.address, fault.access) == (signal.SIGSEGV, store, FaultAccess.WRITE)
-    traced = TraceDir.open(tmp_path / "d")
-    assert calls_to(traced, tid, faults, "after") == 3
-    end = trace.end(tid)
-    assert end is not None and (end.call, end.status) == ("exit_group", 0)
-    assert_counts_are_the_records(traced)
 
 
 @pytest.mark.parametrize("engine", ["stalker", "step"])

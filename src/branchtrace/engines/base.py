@@ -157,8 +157,7 @@ def go_without_cgo(program: Path) -> bool:
                 return False
             dynsym = elf.get_section_by_name(".dynsym")
             symbols = dynsym.iter_symbols() if isinstance(dynsym, SymbolTableSection) else []
-            names = [symbol.name for symbol in symbols]
-            return "pthread_create" not in {name.split("@")[0] for name in names}
+            return "pthread_create" not in {symbol.name.split("@")[0] for symbol in symbols}
     except (OSError, ELFError):
         return False
 

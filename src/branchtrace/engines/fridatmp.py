@@ -36,11 +36,11 @@ def _running_executables() -> set[str]:
     return running
 
 
-def remove_daemon_copies(now: float | None = None) -> list[Path]:
+def remove_daemon_copies() -> list[Path]:
     """Remove each `frida-*` directory that holds nothing but a copy of the daemon which a
     process runs (it needs the file no more) or which is older than UNSTARTED_GRACE; the
     directories removed.  A directory with anything else in it is another host's."""
-    now = time.time() if now is None else now
+    now = time.time()
     running: set[str] | None = None
     removed = []
     for directory in temporary_directory().glob("frida-*"):

@@ -65,6 +65,9 @@
 /* wp points this far past the last slot: a slot is stored as 8 bytes at wp - 4, the block
    id and a zero for the slot after it, so a word is always whole (docs/format.md) */
 #define SLOT_LEAD 4
+/* nested signal handlers whose frame a thread notes (bt_on_handler_entry) */
+#define BT_HANDLER_DEPTH 8
+#define UC_RIP 168 /* a ucontext's uc_mcontext.gregs[REG_RIP] */
 
 typedef struct {
   uint64_t *wpp;         /* the write pointer: the ring header's inline_ptr, or `wp` */
@@ -104,8 +107,8 @@ typedef struct {
   uint64_t syscall_at;   /* the program's system call instruction the thread last entered */
   struct BtCopyChunk *copies; /* where its blocks' instructions are in Stalker's copy */
   int handlers_running;  /* signal handlers entered and not returned from (bt_on_longjmp) */
-  uint64_t handler_uc[8]; /* the signal frame of each (the first 8) and the pc it held as */
-  uint64_t handler_pc[8]; /* the handler was entered (bt_on_sigreturn) */
+  uint64_t handler_uc[BT_HANDLER_DEPTH]; /* each one's signal frame and the pc it held as */
+  uint64_t handler_pc[BT_HANDLER_DEPTH]; /* the handler was entered (bt_on_sigreturn) */
   uint8_t *refollow;     /* where a thread whose handler moved its pc is followed again */
   int altstack_tried;    /* arm_altstack() has run on the thread */
   uint8_t *altstack;     /* the signal stack it armed for the thread, or NULL */
@@ -1294,7 +1297,8 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
     exit_c(t);
   }
   uint64_t pc; /* read safely: a handler called as a function gets no ucontext */
-  if (t->handlers_running <= 8 && uc != NULL && read_safely(uc + 168 /* UC_RIP */, &pc, 8)) {
+  if (t->handlers_running <= BT_HANDLER_DEPTH && uc != NULL &&
+      read_safely(uc + UC_RIP, &pc, 8)) {
     t->handler_uc[t->handlers_running - 1] = (uint64_t)uc;
     t->handler_pc[t->handlers_running - 1] = pc;
   }
@@ -1323,7 +1327,7 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
     t->handlers_running--;
   /* the restorer is entered with the stack pointer at the signal frame's ucontext */
   uint64_t uc = ic->cpu_context->rsp;
-  uint64_t *rip = (uint64_t *)(uc + 168 /* UC_RIP */);
+  uint64_t *rip = (uint64_t *)(uc + UC_RIP);
   uint64_t resume = t->fault_resume;
   t->fault_resume = 0;
   if (resume != 0 && *rip == t->fault_ip) {
@@ -1336,7 +1340,7 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
      instruction: the 3 calls after it and the rest of main missing).  It goes to the
      thread's refollow stub instead, which follows it again (bt_on_refollow), then jumps
      where the handler said. */
-  if (depth < 1 || depth > 8 || t->handler_uc[depth - 1] != uc ||
+  if (depth < 1 || depth > BT_HANDLER_DEPTH || t->handler_uc[depth - 1] != uc ||
       *rip == t->handler_pc[depth - 1] || t->closed || is_frida_code(*rip))
     return;
   if (t->refollow == NULL)
@@ -1497,8 +1501,6 @@ static int raised_again(int sig, int32_t code) {
    the program's instruction comes from the copy's map; a pc in the program's own code is
    code the thread ran untraced (a signal handler).  Offsets in the ucontext and siginfo
    are x86-64 Linux's.  Returns the program's instruction when the pc was in the copy. */
-#define UC_RIP 168 /* uc_mcontext.gregs[REG_RIP] */
-
 static uint64_t write_fault(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc) {
   int32_t code = *(const int32_t *)(info + 8);
   if (sig == 6 ? code != -6 /* SI_TKILL */ || *(const int32_t *)(info + 16) != getpid()
@@ -1687,8 +1689,9 @@ static int deliver(BtThread *t, int i, int sig, uint8_t *info, uint8_t *uc, uint
 }
 
 /* The handlers after on_fault() see the program's instruction in the signal's context,
-   not Stalker's copy of it, which no unwinder or crash reporter knows.  A process that dies of the signal dies there too (a core dump
-   shows the program's pc), and one whose handler returns resumes in the copy, traced. */
+   not Stalker's copy of it, which no unwinder or crash reporter knows.  A process that
+   dies of the signal dies there too (a core dump shows the program's pc), and one whose
+   handler returns resumes in the copy, traced. */
 static void on_fault(int sig, void *info, void *uc) {
   uint64_t *rip = (uint64_t *)((uint8_t *)uc + UC_RIP);
   uint64_t in_copy = *rip;
