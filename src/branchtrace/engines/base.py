@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,11 @@ from elftools.elf.sections import SymbolTableSection
 
 from ..store import Mode
 from ..store.tracedir import thread_label
+
+#: the limit of open files the recorder was started with, which the programs it starts get:
+#: importing frida (after this module: engines/__init__.py) raises this process's soft limit
+#: to the hard one less one, and a program Frida or a fork of ours starts inherited that
+USERS_FILE_LIMIT = resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import subprocess
 from pathlib import Path
 
 from ..errors import LaunchError
+from .base import USERS_FILE_LIMIT
 
 libc = ctypes.CDLL(None, use_errno=True)
 _ptrace = libc.ptrace
@@ -85,6 +87,7 @@ def tgkill(pid: int, tid: int, sig: int) -> int:
 
 
 def _traceme() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, USERS_FILE_LIMIT)
     _ptrace(PTRACE_TRACEME, 0, None, None)
 
 

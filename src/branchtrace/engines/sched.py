@@ -65,9 +65,12 @@ class SwitchRecorder:
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
-        self.fd = fd
         self.page = mmap.PAGESIZE
-        self.mm = mmap.mmap(fd, (1 + _DATA_PAGES) * self.page)
+        try:
+            # the mapping holds a descriptor of its own (mmap dups it), which keeps the event
+            self.mm = mmap.mmap(fd, (1 + _DATA_PAGES) * self.page)
+        finally:
+            os.close(fd)
         self.events: list[np.ndarray] = []
         self.lost = 0
 
@@ -103,7 +106,6 @@ class SwitchRecorder:
     def close(self) -> None:
         self.poll()
         self.mm.close()
-        os.close(self.fd)
 
 
 def _wrapped(data: bytes, off: int, n: int, size: int) -> bytes:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import itertools
 import json
 import os
 import queue
 import re
+import resource
 import shutil
 import signal
 import threading
@@ -26,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import frida
 import numpy as np
@@ -57,6 +59,7 @@ from ..store.tracedir import (
 )
 from .asleep import let_go
 from .base import (
+    USERS_FILE_LIMIT,
     Events,
     RecordOptions,
     RecordResult,
@@ -82,6 +85,8 @@ from .sched import SwitchRecorder
 
 #: how often the rings of finished threads give their unused space back, seconds
 RELEASE_EVERY = 0.25
+
+_T = TypeVar("_T")
 CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit test
 #: each ring's metadata log: the agent writes none (modules go to modules.jsonl), and the
 #: default 1 MiB would be allocated for every thread while it runs
@@ -620,6 +625,19 @@ def _agent_counts(ring: Ring) -> tuple[int, dict[int, int]]:
     return ring._get("counted_records"), gaps
 
 
+def _out_of_files(error: BaseException) -> bool:
+    """Whether `error` (or the OSError it was raised from) is EMFILE or ENFILE."""
+    cause = error if isinstance(error, OSError) else error.__cause__
+    return isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE)
+
+
+#: what to do when the recorder is out of descriptors
+_MORE_FILES = (
+    "the recorder holds up to 4 per thread alive: raise its limit (ulimit -n) to trace more "
+    "threads at once"
+)
+
+
 def _writer_done(ring: Ring) -> bool:
     """Whether the agent that wrote `ring` will never write to it again: it closed the ring
     (its thread ended, or tracing stopped), or no process holds the ring open any more (its
@@ -694,6 +712,12 @@ class _Recording:
         self._spare: Ring | None = None
         self._spare_wanted = threading.Event()
         self._spare_maker: threading.Thread | None = None
+        #: a release pass of the drain thread wanted now (_ask_for_release, _make_room),
+        #: and how many passes it made
+        self._release_asked = threading.Event()
+        self._release_passes = 0
+        self._released = threading.Condition()
+        self._file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
     def load_agent(
         self,
@@ -782,25 +806,26 @@ class _Recording:
             self.ids_seen[tid] = earlier + 1
         key = thread_key(tid, earlier)
         path = self.tracedir.ring_path(key)
-        ring = self._take_spare(path, tid) or self._new_ring(path, tid)
+        ring = self._take_spare(path, tid) or self._with_room(lambda: self._new_ring(path, tid))
         self._want_a_spare()
         reader = stream_fd = None
         if self.options.mode != Mode.WRAP and not self.drain_failed:
             # the consumer exists before the writer: a full ring always has someone to wait for
             reader = RingReader(ring, consume=True)
             stream = self.tracedir.stream_path(key, packed=self.options.compress)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
             try:
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-                stream_fd = os.open(stream, flags, 0o644)
+                stream_fd = self._with_room(lambda: os.open(stream, flags, 0o644))
             except OSError as e:  # a full disk: no ring either, the thread is not traced
                 _discard(ring)
-                raise StoreError(f"cannot create {stream}: {e.strerror}") from None
+                raise StoreError(f"cannot create {stream}: {e.strerror}") from e
         with self.lock:
             self.rings[key] = (ring, reader, stream_fd)
             self.thread_pid[key] = pid
             self.live_key[tid] = key
         if self.options.sched:
             self._watch_switches(key)
+        self._ask_for_release()
         return path
 
     def _new_ring(self, path: Path, tid: int) -> Ring:
@@ -857,7 +882,9 @@ class _Recording:
             # 0 records, or another thread's; in stream mode, its records undrained).
             try:
                 spare = self._new_ring(self.tracedir.path / _SPARE_RING.format(made), 0)
-            except (BranchtraceError, OSError):
+            except (BranchtraceError, OSError) as e:
+                if _out_of_files(e):
+                    continue  # the next thread makes room (_make_room) and wants another
                 return  # a full disk: each thread's ring is made as it starts, and fails there
             with self.lock:
                 if not self._done.is_set():
@@ -885,11 +912,12 @@ class _Recording:
 
     def _watch_switches(self, key: int) -> None:
         try:
-            recorder = SwitchRecorder(thread_id(key))
+            recorder = self._with_room(lambda: SwitchRecorder(thread_id(key)))
         except OSError as e:
             self._error(
                 f"no context switches for thread {thread_label(key)}: perf_event_open failed "
-                f"({e.strerror}); recording continues without them"
+                f"({e.strerror}{'; ' + _MORE_FILES if _out_of_files(e) else ''}); recording "
+                "continues without them"
             )
             return
         with self.lock:
@@ -912,7 +940,8 @@ class _Recording:
                 path = self.add_thread(tid, agent.key)
                 reply: dict[str, Any] = {"type": f"ring:{tid}", "path": str(path)}
             except BranchtraceError as e:
-                self._error(f"thread {tid} not traced: {e}")
+                more = f" ({_MORE_FILES})" if _out_of_files(e) else ""
+                self._error(f"thread {tid} not traced: {e}{more}")
                 reply = {"type": f"ring:{tid}", "path": None}
             agent.script.post(reply)
         elif kind == "module":
@@ -1032,14 +1061,56 @@ class _Recording:
         released_at = time.monotonic()
         while not self._done.is_set():
             moved = self._drain_once(final=False) if drains else 0
-            if time.monotonic() - released_at >= RELEASE_EVERY:
+            if self._release_asked.is_set() or time.monotonic() - released_at >= RELEASE_EVERY:
+                self._release_asked.clear()
                 self._release_finished()
                 released_at = time.monotonic()
+                with self._released:
+                    self._release_passes += 1
+                    self._released.notify_all()
             if moved == 0:
                 if drains:
                     time.sleep(0.001)
                 else:
-                    self._done.wait(RELEASE_EVERY)
+                    self._release_asked.wait(RELEASE_EVERY)
+
+    def _files_per_thread(self) -> int:
+        # a ring's file and its mapping's (Python's mmap dups it), its stream, its perf event
+        return 2 + (self.options.mode != Mode.WRAP) + self.options.sched
+
+    def _ask_for_release(self) -> None:
+        """With half the descriptors the recorder may open held by threads' files, a
+        release pass now rather than at the next RELEASE_EVERY: a program that starts
+        threads one after another faster than a pass retires them (3-10 ms a thread,
+        as slow as its start) would otherwise run the recorder out of them."""
+        with self.lock:
+            held = len(self.rings) * self._files_per_thread()
+        if 2 * held >= self._file_limit:
+            self._release_asked.set()
+
+    def _make_room(self) -> bool:
+        """Out of descriptors: wait for the drain thread to retire the threads that ended
+        (two passes: the one under way may have looked before they did); whether it did.
+        A new thread waits meanwhile, as it waits for a full ring in stream mode."""
+        if self._drainer is None or not self._drainer.is_alive():
+            return False
+        with self._released:
+            wanted = self._release_passes + 2
+            self._release_asked.set()
+            while self._release_passes < wanted:
+                if not self._released.wait(timeout=1) and self._done.is_set():
+                    return False
+                self._release_asked.set()
+        return True
+
+    def _with_room(self, make: Callable[[], _T]) -> _T:
+        """`make()`, once more after _make_room when it found no descriptor free."""
+        try:
+            return make()
+        except (OSError, StoreError) as e:
+            if not _out_of_files(e) or not self._make_room():
+                raise
+        return make()
 
     def _release_finished(self) -> None:
         """Give back the unused space of the rings whose writers are done for good (a
@@ -1148,6 +1219,7 @@ class _Recording:
     def finish(self) -> dict[int, ThreadStats]:
         """Stop draining, take the last records (recovering past data_head), close."""
         self._done.set()
+        self._release_asked.set()
         self._drop_spare()
         if self._drainer is not None:
             self._drainer.join()
@@ -1725,6 +1797,8 @@ class StalkerEngine:
             raise LaunchError(f"{argv[0]}: cannot start: {e}") from None
         except Exception as e:
             raise _frida_error(e, argv[0]) from None
+        with contextlib.suppress(OSError):  # gone already: attaching says so
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, USERS_FILE_LIMIT)
         meta["pid"] = pid
         rec.tracedir.write_meta(meta)
         try:

@@ -219,8 +219,8 @@ class Ring:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
         try:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as e:
-            raise StoreError(f"cannot create {path}: {e.strerror}") from None
+        except OSError as e:  # kept as the cause: a recorder out of descriptors makes room
+            raise StoreError(f"cannot create {path}: {e.strerror}") from e
         try:
             try:
                 os.posix_fallocate(fd, 0, total)
@@ -287,7 +287,7 @@ class Ring:
             mm = mmap.mmap(fd, total, flags=flags, prot=prot)
         except OSError as e:
             os.close(fd)
-            raise NoMemoryError(f"cannot map {path}: {e.strerror}") from None
+            raise NoMemoryError(f"cannot map {path}: {e.strerror}") from e
         return cls(path, fd, mm)
 
     def close(self) -> None:
