@@ -2191,6 +2191,19 @@ def ours_in(pid: int) -> list[str]:
     return [line for line in maps if "frida-agent" in line or line.endswith(".bts")]
 
 
+def what_holds(pid: int) -> str:
+    """What is left of us in process `pid`, and where each of its threads is, for a failure
+    to say why the agent is still there."""
+    mapped = sorted({line.split()[-1] for line in ours_in(pid)})
+    threads = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        with contextlib.suppress(OSError):
+            comm = (task / "comm").read_text().strip()
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            threads.append(f"{task.name} {comm} {state} {(task / 'wchan').read_text()}")
+    return f"mapped: {mapped}; threads: {threads}"
+
+
 def gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while ours_in(pid):
@@ -2220,7 +2233,7 @@ def test_detaching_from_a_program_asleep_in_a_system_call_leaves_nothing_behind(
         assert target.poll() is None, "the recording ended only once the program woke"
         assert tool.returncode == 0 and f"detached from pid {target.pid}" in err, err
         assert "unloads its agent" not in err and "did not answer" not in err, err
-        assert gone_within(target.pid, 2), ours_in(target.pid)
+        assert gone_within(target.pid, 2), what_holds(target.pid)
         trace = TraceDir.open(tmp_path / "d")
         (tid,) = trace.threads()
         assert calls_to(trace, tid, idle, "f") == (5 if asleep_since == "traced" else 0)
@@ -2232,7 +2245,7 @@ def test_detaching_from_a_program_asleep_in_a_system_call_leaves_nothing_behind(
             timeout=60,
         )
         assert again.returncode == 0 and f"detached from pid {target.pid}" in again.stderr
-        assert gone_within(target.pid, 2), ours_in(target.pid)
+        assert gone_within(target.pid, 2), (what_holds(target.pid), again.stderr)
         if asleep_since == "before":
             target.stdin.write("\n")
             target.stdin.close()
@@ -2303,7 +2316,7 @@ def test_detaching_lets_go_of_threads_looping_in_compiled_code(tmp_path, program
         assert tool.returncode == 0 and f"detached from pid {target.pid}" in err, err
         assert "unloads its agent" not in err
         # each thread left Stalker and let go of its ring: no mapping of ours stays
-        assert gone_within(target.pid, 5), ours_in(target.pid)
+        assert gone_within(target.pid, 5), what_holds(target.pid)
         # Stalker has freed the code it compiled for them: they all run natively, and right
         out, _ = target.communicate("\n", timeout=30)
         assert target.returncode == 0 and out.split()[0] == "ok", out
