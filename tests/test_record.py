@@ -2185,6 +2185,49 @@ def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mo
     assert "untraced stretches (GAP records): signal 3" in info.stdout
 
 
+@pytest.mark.parametrize("mode", ["wrap", "stream"])
+def test_a_handler_set_before_the_attach_is_marked_where_it_ran(tmp_path, programs, mode):
+    # the agent hooked the entries of the handlers the program set once it was in: those
+    # set before (an attach) ran unmarked, the trace reading as if the code they interrupted
+    # had run on (a timer at 10 kHz, 5000 runs in 0.5 s, and no GAP)
+    with attach_target(programs["signal"], "wait", stdin=subprocess.PIPE) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, mode)
+        assert target.wait(timeout=30) == 0 and target.stdout.read() == f"{3 * signal.SIGUSR1}\n"
+    assert status == 0 and "signal handlers ran 3 times untraced" in err, err
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert trace.meta()["threads"][str(tid)]["gaps"] == {"signal": 3}
+    recs = parse_words(*trace.words(tid))
+    assert int((recs["type"] == RecordType.GAP).sum()) == 3
+    assert calls_to(trace, tid, programs["signal"], "f") == 0  # from the handler: untraced
+    assert_counts_are_the_records(trace)
+
+
+@pytest.mark.parametrize("mode", ["skip", "backtrace"])
+def test_a_fault_handler_set_before_the_attach_is_entered_as_the_kernel_would(
+    tmp_path, programs, mode
+):
+    # as one set once the agent is in (test_a_crash_handlers_backtrace_reaches_the_function_
+    # that_faulted, test_a_fault_whose_handler_returns_is_traced_on): Frida's handler called
+    # it as a function, from code no unwinder knows
+    faults = programs["faults"]
+    native = subprocess.run(
+        [faults, mode, "armed"], input="\n", capture_output=True, text=True, timeout=30
+    )
+    with attach_target(faults, mode, "armed", stdin=subprocess.PIPE) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, "wrap")
+        said = "ready\n" + target.stdout.read()
+        assert (target.wait(timeout=30), said) == (native.returncode, native.stdout), err
+    assert status == native.returncode, err
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert calls_to(trace, tid, faults, "poke") == 1
+    if mode == "skip":  # traced again where the handler sent it
+        assert "1 left elsewhere" in err, err
+        assert calls_to(trace, tid, faults, "after") == 3
+    assert_counts_are_the_records(trace)
+
+
 def ours_in(pid: int) -> list[str]:
     """The mappings of Frida's agent and of our rings still in process `pid`."""
     maps = Path(f"/proc/{pid}/maps").read_text().splitlines()

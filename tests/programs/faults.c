@@ -32,8 +32,10 @@
    overflow-handler  under a handler but no signal stack: the kernel finds no room for the
                      handler, which would print "handler ran" and exit 5
    recover-overflow  recover, then overflow
-   A second argument: "wait" prints "ready" and reads a line first; "child" has a forked
-   child fault, and prints how it ended ("child: signal N" or "child: exit N"). */
+   A second argument: "wait" prints "ready" and reads a line first; "armed" does so once
+   the handler of where, skip or backtrace is set, right before the fault (to be attached to
+   then); "child" has a forked child fault, and prints how it ended ("child: signal N" or
+   "child: exit N"). */
 #define _GNU_SOURCE
 #include <execinfo.h>
 #include <setjmp.h>
@@ -158,10 +160,23 @@ static void on_segv_raw(int sig, siginfo_t *info, void *context) {
 }
 
 static int fault(const char *mode);
+static int wait_when_armed;
+
+/* The handler is set: with "armed", say so and wait for a line. */
+static void armed(void) {
+  char line[8];
+  if (!wait_when_armed)
+    return;
+  puts("ready");
+  fflush(stdout);
+  if (!fgets(line, sizeof line, stdin))
+    exit(1);
+}
 
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "segv";
   const char *how = argc > 2 ? argv[2] : "";
+  wait_when_armed = !strcmp(how, "armed");
   if (!strcmp(how, "wait")) {
     char line[8];
     puts("ready");
@@ -208,6 +223,7 @@ static int fault(const char *mode) {
     printf("signal stack: %s\n", ss.ss_flags & SS_DISABLE ? "none" : "set");
     struct sigaction act = {.sa_sigaction = on_segv_where, .sa_flags = SA_SIGINFO};
     sigaction(SIGSEGV, &act, NULL);
+    armed();
     poke(NULL);
   }
   if (!strcmp(mode, "overflow"))
@@ -224,6 +240,7 @@ static int fault(const char *mode) {
   if (!strcmp(mode, "skip")) {
     struct sigaction act = {.sa_sigaction = on_segv_skip, .sa_flags = SA_SIGINFO};
     sigaction(SIGSEGV, &act, NULL);
+    armed();
     poke(NULL);
   }
   if (!strcmp(mode, "raw")) {
@@ -241,6 +258,7 @@ static int fault(const char *mode) {
     void *warm[1];
     backtrace(warm, 1); /* loads libgcc_s now, not in the handler */
     signal(SIGSEGV, on_segv_backtrace);
+    armed();
     poke(NULL);
   }
   if (!strcmp(mode, "overflow-deep"))

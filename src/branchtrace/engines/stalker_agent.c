@@ -1455,6 +1455,29 @@ static void note_program_action(int sig, void *handler, uint64_t flags, uint64_t
   STATE->program_known |= 1ULL << i;
 }
 
+/* The handlers the program set before the agent came in (an attach; a library's constructor
+   before a spawned program's _init), as if set now: their entries are marked (note_handler),
+   else each of their runs went unmarked in the trace, and a fault signal's goes through
+   deliver().  Asked of sigaction(), which Frida takes: for a fault signal it answers what
+   the program set, not the handler Frida put in the kernel.  A handler the program sets
+   meanwhile is noted by the hooks, and not overwritten here with what it replaced. */
+extern int sigaction(int sig, const void *act, void *old);
+
+void bt_note_set_handlers(void) {
+  for (int sig = 1; sig <= 64; sig++) {
+    uint8_t old[152] = {0}; /* glibc's struct sigaction, as in bt_on_sigaction */
+    if (sigaction(sig, NULL, old) != 0)
+      continue; /* SIGKILL, SIGSTOP, glibc's own (32, 33) */
+    void *handler = *(void **)old;
+    if ((uint64_t)handler <= 1 || is_frida_code((uint64_t)handler))
+      continue;
+    note_handler(handler);
+    int i = fault_index(sig);
+    if (i >= 0 && !(STATE->program_known >> i & 1))
+      note_program_action(sig, handler, *(uint32_t *)(old + 136), *(uint64_t *)(old + 8));
+  }
+}
+
 /* Before an rt_sigaction() system call in the program's own code (put_syscall_checks), for a
    fault signal: a runtime that sets its handlers with the call itself (Go's) took
    on_fault()'s place, and its faults were not in the trace.  The call is made through
@@ -1462,7 +1485,6 @@ static void note_program_action(int sig, void *handler, uint64_t flags, uint64_t
    handler is Frida's to give back at the end (its exceptor then restores what it knows),
    the agent's hook on sigaction() notes it for deliver(), and the system call itself is
    made to change nothing.  Anything the kernel would refuse goes to it as asked. */
-extern int sigaction(int sig, const void *act, void *old);
 
 static void on_rt_sigaction(GumCpuContext *cpu, gpointer user_data) {
   int i = fault_index((int)cpu->rdi);

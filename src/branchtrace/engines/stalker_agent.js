@@ -449,6 +449,7 @@ for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
   }
 }
 attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
+new NativeFunction(cm.bt_note_set_handlers, 'void', [])();
 
 // fork(): handled in C, because no JavaScript can run in a forked child (unless Frida gates
 // it, with --follow-fork: then this script lives on in the child too, doing nothing there).
