@@ -1953,6 +1953,7 @@ class StalkerEngine:
             why_gone.append(reason)
             gone.set()
 
+        guard = _StopGuard(pid, rec)
         try:
             device = frida.get_local_device()
             own = set(_open_files(pid).values())
@@ -1960,9 +1961,11 @@ class StalkerEngine:
             # at once: a session dropped while the agent loads is reported with its reason
             session.on("detached", on_detached)
             agent = rec.load_agent(session, pid, False, None, park=options.follow_fork, before=own)
+            guard.on()  # not while Frida's injector has the process stopped
             tids = agent.script.exports_sync.threads(_tasks(pid))
             paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
         except Exception as e:
+            guard.off()
             _settle_forks(pid, under_frida, events)
             if isinstance(e, BranchtraceError):
                 raise
@@ -1988,12 +1991,14 @@ class StalkerEngine:
                 gating = hold_children
             with _forks_held(agent, tids, gating):
                 untraced = agent.script.exports_sync.follow_all(paths, True)
+            guard.off()
             for tid, why in untraced.items():
                 rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": why})
                 rec._error(f"thread {tid} of pid {pid} is not traced: {why}")
             if forks is None:
                 under_frida.attached(follow_new=True)
         except frida.InvalidOperationError as e:  # "script has been destroyed"
+            guard.off()
             # Frida dropped the session as tracing started, as it could later on (README,
             # fork): a program that runs on keeps what was traced, as after a later drop
             if not (gone.wait(1) and _running(pid)):
@@ -2006,6 +2011,7 @@ class StalkerEngine:
                     hint="try again",
                 ) from None
         except AgentTimeoutError:  # seen once: Frida's ptrace helper stuck reading registers
+            guard.off()
             if forks is not None:
                 forks.close()
             _settle_forks(pid, under_frida, events)
@@ -2045,6 +2051,7 @@ class StalkerEngine:
             traced = forks is not None and forks.exec_traced(pid)
             self._attached_gone(pid, why_gone[0], rec, result, watcher, traced)
         else:
+            guard.on()
             try:
                 stopped = _stop_agent(agent)
                 far = stopped.get("farBlocks", 0)
@@ -2076,6 +2083,8 @@ class StalkerEngine:
                 else:
                     result.warnings.append(f"detaching failed: {e}")
                     rec.orphaned.add(pid)
+            finally:
+                guard.off()
         # children are watched until the agent has left, unless it stays on for now
         # an agent that stays, or cannot leave a frozen program, is not waited for
         at_risk = under_frida.settle(timeout=0.2 if agent_stays or agent.frozen else 2.0)
@@ -2247,6 +2256,55 @@ def _ending(pid: int) -> bool:
     except OSError:
         return False
     return "\nCoreDumping:\t1" in status or "\nCoreDumping:" not in status
+
+
+class _StopGuard:
+    """While on (`on()` to `off()`), process `pid`, running, is continued should it stop.
+    Frida reaches a thread other than the one calling (Stalker.follow, a thread's registers)
+    from a helper that ptrace-attaches it (gum_linux_modify_thread) and takes the first stop
+    it sees for the SIGSTOP its attach sent: when a signal of the program's comes first (a
+    timer's), it detaches giving SIGCONT in that signal's place and leaves the SIGSTOP
+    pending, which then stops the whole process, the agent's thread too (1 attach in 8 to a
+    program with a 10 kHz timer: the recording waited 10 s for the agent and gave up, the
+    program left stopped).  Only around the attach and the detach, where Frida does that:
+    a stop of the program's own (job control) while it is traced stays."""
+
+    def __init__(self, pid: int, rec: _Recording) -> None:
+        self.pid = pid
+        self.rec = rec
+        self.continued = 0
+        self._done = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def on(self) -> None:
+        stat = proc_stat(self.pid)
+        if stat is None or stat[0] in "Tt":  # stopped by someone else: not ours to continue
+            return
+        self._done.clear()
+        self._watcher = threading.Thread(target=self._watch, name="bt-continue", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.005):
+            stat = proc_stat(self.pid)
+            if stat is not None and stat[0] == "T":
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, signal.SIGCONT)
+                    self.continued += 1
+
+    def off(self) -> None:
+        if self._watcher is None:
+            return
+        self._done.set()
+        self._watcher.join()
+        self._watcher = None
+        if self.continued:
+            self.rec._error(
+                f"pid {self.pid} stopped as Frida reached into its threads (a SIGSTOP of its "
+                "ptrace attach, left behind when a signal of the program came first) and was "
+                f"continued ({self.continued} times); a signal of the program's may have been "
+                "lost each time"
+            )
 
 
 def _running(pid: int) -> bool:
