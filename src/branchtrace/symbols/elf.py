@@ -419,40 +419,44 @@ class ModuleMap:
 
     def symbolize(self, addresses: np.ndarray) -> list[str]:
         """`function+0xoff` for each address (`module+0xoff` without a symbol, `0x...`
-        outside every module)."""
-        a = np.asarray(addresses, dtype=np.uint64)
-        ids, offsets = self.function_ids(a)
-        mods = self.index(a)
+        outside every module).  Each distinct address is formatted once: a trace repeats a
+        few thousand blocks millions of times."""
+        distinct, inverse = np.unique(np.asarray(addresses, dtype=np.uint64), return_inverse=True)
+        ids, offsets = self.function_ids(distinct)
+        mods = self.index(distinct)
         names = self.function_names
-        out = []
+        module_names = [Path(p).name for p in self.paths]
+        texts = []
         for addr, fid, off, m in zip(
-            a.tolist(), ids.tolist(), offsets.tolist(), mods.tolist(), strict=True
+            distinct.tolist(), ids.tolist(), offsets.tolist(), mods.tolist(), strict=True
         ):
             if fid >= 0:
-                out.append(f"{names[fid]}+{off:#x}" if off else names[fid])
+                texts.append(f"{names[fid]}+{off:#x}" if off else names[fid])
             elif m >= 0:
-                out.append(f"{Path(self.paths[m]).name}+{addr - int(self.bases[m]):#x}")
+                texts.append(f"{module_names[m]}+{addr - int(self.bases[m]):#x}")
             else:
-                out.append(f"{addr:#x}")
-        return out
+                texts.append(f"{addr:#x}")
+        return [texts[k] for k in inverse.ravel().tolist()]
 
     def source_lines(self, addresses: np.ndarray) -> list[str]:
-        """`file:line` for each address ('' without line information)."""
-        a = np.asarray(addresses, dtype=np.uint64)
-        out = [""] * a.size
-        mods = self.index(a)
+        """`file:line` for each address ('' without line information), each distinct
+        address looked up once."""
+        distinct, inverse = np.unique(np.asarray(addresses, dtype=np.uint64), return_inverse=True)
+        texts = [""] * distinct.size
+        mods = self.index(distinct)
         for m in np.unique(mods[mods >= 0]).tolist():
             image = self.image(m)
             if image is None or not image.lines.paths:
                 continue
             t = image.lines
+            file_names = [Path(path).name for path in t.paths]
             sel = np.flatnonzero(mods == m)
-            fa = a[sel] - np.uint64(self.load_bias(m) & (2**64 - 1))
+            fa = distinct[sel] - np.uint64(self.load_bias(m) & (2**64 - 1))
             row = np.searchsorted(t.addresses, fa, side="right").astype(np.int64) - 1
             for k, r in zip(sel.tolist(), row.tolist(), strict=True):
                 if r >= 0 and t.lines[r]:
-                    out[k] = f"{Path(t.paths[t.files[r]]).name}:{int(t.lines[r])}"
-        return out
+                    texts[k] = f"{file_names[t.files[r]]}:{int(t.lines[r])}"
+        return [texts[k] for k in inverse.ravel().tolist()]
 
     def runtime_address(self, path_suffix: str, function: str) -> int | None:
         """Where `function` of the module whose path ends with `path_suffix` was loaded."""
