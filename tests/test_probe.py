@@ -315,7 +315,7 @@ def test_hits_go_into_a_trace_directory(tmp_path, programs):
     ]
     assert len(stored) == 2 * (2 * _fib(8) - 1)
     info = bt("info", str(out))
-    assert f"probe fib: {2 * _fib(8) - 1} hits in 1 thread(s)" in info.stdout
+    assert f"probe fib: {2 * _fib(8) - 1} hits in 1 thread" in info.stdout
 
 
 def test_hit_lines_are_readable(programs):

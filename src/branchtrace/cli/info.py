@@ -187,17 +187,18 @@ def info(path: Path, as_json: bool) -> None:
                 markup=False,
             )
         total = sum(meta["records_per_thread"].values())
+        threads = len(meta["records_per_thread"])
         for i, probe in enumerate(meta.get("probes") or []):
             per_tid = (meta.get("hits") or {}).get(str(i), {})
             out.print(
                 f"probe {probe['label']}: {sum(per_tid.values()):,} hits in "
-                f"{len(per_tid)} thread(s)",
+                f"{len(per_tid)} thread{'s' if len(per_tid) != 1 else ''}",
                 markup=False,
             )
         out.print(
             f"engine {meta.get('engine')}, {meta.get('mode')} mode, "
             f"{_human(int(meta.get('buffer_size', 0)))} per thread; "
-            f"{len(meta['records_per_thread'])} thread(s), {total:,} records, "
+            f"{threads} thread{'s' if threads != 1 else ''}, {total:,} records, "
             f"{meta['modules']} modules"
             + (f", {meta['duration_s']:.3g} s" if "duration_s" in meta else ""),
             markup=False,

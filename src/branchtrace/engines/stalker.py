@@ -2022,8 +2022,9 @@ class StalkerEngine:
             ) from None
         if not gone.is_set():
             # once the threads are followed: from this line on, what the program does is traced
+            threads = f"{len(tids)} thread{'s' if len(tids) != 1 else ''}"
             events.started(
-                f"recording pid {pid} ({len(tids)} threads) with {_how(options, rec)}; "
+                f"recording pid {pid} ({threads}) with {_how(options, rec)}; "
                 "Ctrl-C to stop and detach"
             )
         deadline = None if options.duration is None else time.monotonic() + options.duration
