@@ -1649,6 +1649,7 @@ def _executables() -> dict[int, str]:
         (["-p", "999999999"], 11, "no process with pid"),
         ([], 2, "give a program to run"),
         (["--buffer-size", "4K", "--", "/bin/true"], 3, "too small"),
+        (["--buffer-size", "12Q", "--", "/bin/true"], 2, "--buffer-size: bad size '12Q'"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, args, code, message):

@@ -14,7 +14,7 @@ from rich.console import Console
 from ..engines import RecordOptions, RecordResult, Target
 from ..engines.base import Trigger
 from ..engines.stalker import StalkerEngine, resolve_program
-from ..errors import UsageError
+from ..errors import InvalidArgumentError, UsageError
 from ..store import Mode, parse_size
 from ..store.tracedir import thread_label
 from .views import crash_sites
@@ -209,12 +209,16 @@ def record(
             hint="branchtrace record -- ./prog args, or branchtrace record -p 1234",
         )
     resolved = _triggers(triggers, command, pid, mode, engine)
+    try:
+        size = parse_size(buffer_size)
+    except InvalidArgumentError as e:  # a typo on the command line, not a store's
+        raise UsageError(f"--buffer-size: {e}", hint=e.hint) from None
     options = RecordOptions(
         triggers=resolved,
         snapshots=snapshots,
         output=output,
         mode=Mode[mode.upper()],
-        buffer_size=parse_size(buffer_size),
+        buffer_size=size,
         duration=duration,
         sched=sched,
         follow_fork=follow_fork,
