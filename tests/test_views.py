@@ -12,9 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import branchtrace
 from branchtrace.analysis.kernels import HOW_CALL
+from branchtrace.cli.views import _json_strings
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
 FORK_NAMES = {"fork", "__fork", "__libc_fork"}
@@ -326,7 +329,21 @@ def test_views_mark_where_records_were_lost_and_how_many(tmp_path, programs):
     marks = [r for r in rows if "break" in r]
     assert marks and all(r["break"] == "lost" and r["reason"] is None for r in marks)
     assert sum(r["lost"] for r in marks) == lost
-    assert len([r for r in rows if "index" in r]) == t.branches(tid).size
+    shown = [r for r in rows if "index" in r]
+    assert len(shown) == t.branches(tid).size
+    # every row is its branch, newest first (the rows are made from columns, not per branch)
+    newest_first = t.branches(tid)[::-1]
+    assert [r["from"] for r in shown] == newest_first["from"].tolist()
+    assert [r["to"] for r in shown] == newest_first["to"].tolist()
     text = bt("show", out, "-n", "100000000").stdout
     assert text.count(" records lost here]") == len(marks)
     assert f"[{marks[0]['lost']:,} records lost here]" in text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(), max_size=20))
+def test_json_strings_encode_each_text_as_json_dumps_would(texts):
+    # show --json writes its rows from these pieces rather than json.dumps per row
+    assert _json_strings(texts) == [json.dumps(text) for text in texts]
+    nullable = _json_strings(texts, empty="null")
+    assert [json.loads(x) for x in nullable] == [text or None for text in texts]
