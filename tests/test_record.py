@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import frida
 import numpy as np
 import pytest
 
@@ -1660,6 +1661,12 @@ def test_bad_input_is_one_clear_line(tmp_path, args, code, message):
     assert not (tmp_path / "d").exists()  # nothing half-written left behind
 
 
+def test_frida_losing_the_process_as_its_agent_loads_says_to_try_again():
+    error = stalker._frida_error(frida.TransportError("the connection is closed"), "pid 7")
+    assert error.exit_code == 13 and str(error) == "pid 7: Frida failed: the connection is closed"
+    assert error.hint is not None and "try again" in error.hint
+
+
 def test_non_executable_non_elf_and_unwritable_output(tmp_path):
     plain = tmp_path / "plain"
     plain.write_text("data\n")
@@ -1940,15 +1947,25 @@ def test_python_running_a_subprocess_is_traced_with_its_child(tmp_path):
 def test_an_attached_python_running_subprocesses_closes_its_own_fds(tmp_path):
     # Frida closes files of its own after the attach, and the program gets their numbers
     # for its pipes: those are the program's to close (a first version of the sparing
-    # refused, and subprocess failed with EBADF)
+    # refused, and subprocess failed with EBADF).  The program forks once it is traced: with
+    # a fixed pause before, a slow attach met its forks ("Frida failed: the connection is
+    # closed", once in a loaded CI run)
     code = (
-        "import subprocess, time; print('ready', flush=True); time.sleep(1)\n"
+        "import subprocess, sys; print('ready', flush=True); sys.stdin.readline()\n"
         "for i in range(3): print(subprocess.run(['echo', str(i)], capture_output=True).stdout)"
     )
-    with attach_target(os.path.realpath(sys.executable), "-c", code) as target:
-        res = record(
-            tmp_path / "d", "--follow-fork", "--duration", "4", "-p", str(target.pid), mode="wrap"
+    python = os.path.realpath(sys.executable)
+    with attach_target(python, "-c", code, stdin=subprocess.PIPE) as target:
+        options = ["--mode", "wrap", "--follow-fork", "--duration", "4", "-p", str(target.pid)]
+        tool = subprocess.Popen(
+            [*BT, "record", "-o", str(tmp_path / "d"), *options], stderr=subprocess.PIPE, text=True
         )
+        started = tool.stderr.readline()
+        if "Ctrl-C to stop and detach" in started:
+            target.stdin.write("go\n")
+            target.stdin.flush()
+        _, err = tool.communicate(timeout=120)
+        res = subprocess.CompletedProcess(tool.args, tool.returncode, "", started + err)
         assert output_after(target, res) == "b'0\\n'\nb'1\\n'\nb'2\\n'\n", res.stderr
     assert res.returncode == 0 and "4 processes" in res.stderr, res.stderr
     assert warnings_in(res.stderr) == [], res.stderr

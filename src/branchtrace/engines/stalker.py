@@ -295,6 +295,14 @@ def _frida_error(e: Exception, what: str) -> BranchtraceError:
             f"{what}: Frida failed: {e}",
             hint="Frida could not stop it to load its agent: check that it still runs",
         )
+    if "connection is closed" in str(e):
+        # Frida's session ended as its agent loaded: seen once in a loaded CI run, attached
+        # with --follow-fork to a python whose subprocesses started as the attach ended
+        return EngineUnavailableError(
+            f"{what}: Frida failed: {e}",
+            hint="Frida lost the process as its agent loaded: check that it still runs, "
+            "and try again",
+        )
     return EngineUnavailableError(f"{what}: Frida failed: {e}")
 
 
