@@ -17,7 +17,6 @@ from ..engines.stalker import StalkerEngine, resolve_program
 from ..errors import InvalidArgumentError, UsageError
 from ..store import Mode, parse_size
 from ..store.tracedir import thread_label
-from .views import crash_sites
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -49,7 +48,12 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
     for w in result.warnings:
         _CliEvents().warning(w)
     crashed = [key for key, e in result.processes.items() if e.get("signal") is not None]
-    sites = crash_sites(result.output, result.pid, crashed + [result.pid] * bool(result.signal))
+    crashed += [result.pid] * bool(result.signal)
+    sites: dict[int, str] = {}
+    if crashed:  # the views import numba: 0.5 s of start-up a recording need not pay
+        from .views import crash_sites
+
+        sites = crash_sites(result.output, result.pid, crashed)
     for key, ending in result.processes.items():
         if ending.get("frozen") or ending.get("no_code_traced"):  # named in a warning of its own
             continue
