@@ -1661,6 +1661,23 @@ def test_bad_input_is_one_clear_line(tmp_path, args, code, message):
     assert not (tmp_path / "d").exists()  # nothing half-written left behind
 
 
+@pytest.mark.parametrize(
+    ("mode", "extra"), [("stream", []), ("stream", ["--no-compress"]), ("wrap", []), ("drop", [])]
+)
+def test_records_counted_in_their_block_slots_are_the_records_read(tmp_path, programs, mode, extra):
+    # info counts a thread's records without expanding its block ids (TraceDir.record_count)
+    res = record(
+        tmp_path / "d", "--buffer-size", "512K", *extra, "--", str(programs["fib"]), "25", mode=mode
+    )
+    assert res.returncode == 0, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    words, _ = trace.words(tid)
+    assert trace.record_count(tid) == count_records(words)[0] > 100_000
+    if mode == "stream":  # drained to the stream file, then the ring's rest
+        assert trace.record_count(tid) == trace.meta()["threads"][str(tid)]["records"]
+
+
 def test_frida_losing_the_process_as_its_agent_loads_says_to_try_again():
     error = stalker._frida_error(frida.TransportError("the connection is closed"), "pid 7")
     assert error.exit_code == 13 and str(error) == "pid 7: Frida failed: the connection is closed"

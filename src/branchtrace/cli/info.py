@@ -14,9 +14,7 @@ from rich.table import Table
 from ..errors import StoreError
 from ..store import Ring, RingReader, recovered_head
 from ..store.format import WriterState
-from ..store.records import count_records
 from ..store.tracedir import META, TraceDir, thread_label, thread_of_file
-from .views import crash_sites
 
 
 def find_stores(path: Path) -> list[Path]:
@@ -113,8 +111,7 @@ def recording_summary(path: Path) -> dict[str, Any]:
     meta = trace.meta()
     threads = {}
     for tid in trace.threads():
-        words, _ = trace.words(tid)
-        threads[thread_label(tid)] = count_records(words)[0]
+        threads[thread_label(tid)] = trace.record_count(tid)
     meta["records_per_thread"] = threads
     loads = [m for m in trace.modules(meta.get("pid")) if m.event == "load"]
     meta["modules"] = len(loads)
@@ -166,6 +163,8 @@ def info(path: Path, as_json: bool) -> None:
     rows = [summarize(p) for p in find_stores(path)]
     crash = None
     if meta is not None and meta.get("signal") and meta.get("pid"):
+        from .views import crash_sites  # numba: only for a crash
+
         crash = crash_sites(path, int(meta["pid"]), [int(meta["pid"])]).get(int(meta["pid"]))
     if as_json:
         if meta is not None:

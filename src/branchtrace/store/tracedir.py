@@ -328,6 +328,20 @@ class TraceDir:
                 parts.append(rest)
             return ring.expand(parts), pos  # one copy of the words, not two
 
+    def record_count(self, tid: int) -> int:
+        """How many records (PAD excluded) `words(tid)` holds, counted in the block slots
+        as they are: expanding them loads numba's kernels, a second of `info`'s start-up."""
+        drained = self._drained(tid)
+        if not self.ring_path(tid).exists():  # a snapshot: its words, as words() gives them
+            return count_records(self.words(tid)[0])[0]
+        with Ring.open(self.ring_path(tid)) as ring:
+            rest, pos = RingReader(ring).read_words()
+            parts = [rest]
+            if drained is not None and drained.size:
+                parts = [drained, self._after_drained(tid, drained, rest, pos)]
+            slots = bool(ring.table_size)
+            return sum(count_records(part, slots=slots)[0] for part in parts)
+
 
 def _from_a_record(words: np.ndarray) -> np.ndarray:
     """`words`, the end of a stream, from the first word known to start a record: its
