@@ -3,6 +3,8 @@ fixtures with known answers."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,17 +19,36 @@ from hypothesis import strategies as st
 
 import branchtrace
 from branchtrace.analysis.kernels import HOW_CALL
+from branchtrace.cli import main as cli_main
 from branchtrace.cli.views import _json_strings
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
 FORK_NAMES = {"fork", "__fork", "__libc_fork"}
 
 
+#: the commands that only read a recording, run in this process: a process of its own
+#: spends 1.5 s loading numba and its kernels, which this one loads once
+READERS = {"show", "calls", "insns", "stats", "info"}
+
+
 def bt(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[str]:
+    argv = [str(a) for a in args]
+    if argv[0] in READERS and columns is None:
+        return in_process(argv)
     env = None if columns is None else {**os.environ, "COLUMNS": str(columns)}
-    return subprocess.run(
-        [*BT, *map(str, args)], capture_output=True, text=True, timeout=300, env=env
-    )
+    return subprocess.run([*BT, *argv], capture_output=True, text=True, timeout=300, env=env)
+
+
+def in_process(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """`branchtrace ARGV` through the same main() (its error lines, its exit codes)."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli_main.main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess([*BT, *argv], code, out.getvalue(), err.getvalue())
 
 
 def recorded(tmp_path: Path, program: Path, *args: str, mode: str = "stream", **kw) -> Path:
