@@ -1990,6 +1990,42 @@ def test_an_attached_python_running_subprocesses_closes_its_own_fds(tmp_path):
     assert target.returncode == 0
 
 
+def test_the_tool_killed_while_attached_with_follow_fork_leaves_the_program_forking(
+    tmp_path, programs
+):
+    # Frida's agent asks the recorder at every fork() of a program followed through its
+    # forks, and aborts the program once the recorder is gone: attached to `forkloop 400
+    # 5000`, a SIGKILL of the tool 2.5 s in killed it in 2 runs of 6.  So the recording runs
+    # in a child of the tool, which stops as at Ctrl-C when the tool dies (6 runs of 6 ran
+    # on with all 400 children exiting 0).
+    missing = record(tmp_path / "none", "--follow-fork", "-p", "999999999")
+    assert missing.returncode == 11 and len(missing.stderr.strip().splitlines()) == 1
+    rounds, out = 300, tmp_path / "d"
+    forkloop = programs["forkloop"]
+    with attach_target(forkloop, rounds, 5000, -1, stdin=subprocess.PIPE) as target:
+        options = ["--mode", "wrap", "--buffer-size", "512K", "--follow-fork"]
+        tool = subprocess.Popen(
+            [*BT, "record", "-o", str(out), *options, "-p", str(target.pid)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started = tool.stderr.readline()
+        assert "Ctrl-C to stop and detach" in started, started + tool.stderr.read()
+        target.stdin.write("go\n")  # forking from now on, every 5 ms
+        target.stdin.flush()
+        time.sleep(1)
+        tool.send_signal(signal.SIGKILL)
+        tool.wait()
+        err = tool.stderr.read()  # to its end: the recorder's, once it has finished
+        tool.stderr.close()
+        printed, _ = target.communicate(timeout=60)
+    assert target.returncode == 0 and printed.split() == [str(rounds)], started + err
+    assert "was killed; its recorder stopped as at Ctrl-C" in err, started + err
+    assert f"detached from pid {target.pid}; it keeps running" in err, started + err
+    trace = TraceDir.open(out)
+    assert trace.meta()["detached"] and calls_to(trace, target.pid, forkloop, "round_done") > 0
+
+
 @pytest.mark.parametrize("mode", ["stream", "wrap"])
 def test_the_tool_killed_after_a_childs_exec_leaves_the_program_running(tmp_path, programs, mode):
     # after a child's exec Frida never calls the agent's dispose() again, so a recorder that
