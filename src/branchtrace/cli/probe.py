@@ -26,6 +26,7 @@ from ..probes.uprobe import available as uprobe_unavailable
 from ..probes.xol import XolEngine
 from . import main as cli_main
 from .record import _ending
+from .signals import setting_on
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -147,19 +148,14 @@ def probe(
     stop = threading.Event()
     timer = threading.Timer(duration, stop.set) if duration else None
 
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if timer is not None:
-            timer.start()
-        result = chosen.run(Target(argv=command, pid=pid), points, on_hit, started, stop)
+        with setting_on((signal.SIGINT, signal.SIGTERM), stop):
+            if timer is not None:
+                timer.start()
+            result = chosen.run(Target(argv=command, pid=pid), points, on_hit, started, stop)
     finally:
         if timer is not None:
             timer.cancel()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         printer.flush()
     if writer is not None:
         writer.close(_meta(chosen.name, command, pid, program, result, start))

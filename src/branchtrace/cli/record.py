@@ -22,6 +22,7 @@ from ..errors import InvalidArgumentError, UsageError
 from ..store import Mode, parse_size
 from ..store.tracedir import thread_label
 from . import main as cli_main
+from .signals import setting_on
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -69,7 +70,7 @@ def _supervise() -> NoReturn:
     def forward(signum: int, frame: object) -> None:
         # a terminal's Ctrl-C reaches both processes: the recorder stops once either way
         with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
+            os.kill(child.pid, signum)
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, forward)
@@ -274,17 +275,12 @@ def record(
     if pid is not None and follow_fork and engine == "stalker" and supervisor is None:
         _supervise()
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
     # supervised, a hang-up (the terminal's, or passed on) stops the recording too: dying of
     # it would leave the program to Frida's abort at its next fork()
     stops = (signal.SIGINT, signal.SIGTERM) + (signal.SIGHUP,) * (supervisor is not None)
-    previous = {s: signal.signal(s, on_signal) for s in stops}
-    if supervisor is not None:
-        _stop_when_gone(int(supervisor), stop)
-    try:
+    with setting_on(stops, stop):
+        if supervisor is not None:
+            _stop_when_gone(int(supervisor), stop)
         if engine == "step":
             from ..engines.step import StepEngine  # capstone and pyelftools: ~40 ms to import
 
@@ -292,9 +288,6 @@ def record(
         else:
             chosen = StalkerEngine()
         result = chosen.record(Target(argv=command, pid=pid), options, _CliEvents(), stop)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if supervisor is not None and os.getppid() != int(supervisor):
         result.warnings.append(
             f"branchtrace's own process (pid {supervisor}) was killed; its recorder stopped "
