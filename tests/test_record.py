@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import branchtrace
+from branchtrace.cli.signals import setting_on
 from branchtrace.engines import stalker
 from branchtrace.store import BranchKind, Mode, RecordType, Ring, parse_words
 from branchtrace.store.format import BLOCK_ADDR_MASK, FaultAccess, GapReason, WriterState
@@ -2691,3 +2692,13 @@ def test_frida_giving_up_on_stopping_a_process_says_to_check_on_it():
     assert str(e) == f"pid 4242: Frida failed: {message}"
     assert e.hint is not None and "check that it still runs" in e.hint
     assert _frida_error(RuntimeError("other"), "pid 1").hint is None
+
+
+def test_a_stop_signal_sets_the_stop_event_while_the_main_thread_waits_on_it():
+    # the handler itself sets nothing (Event.set() there deadlocked against the main
+    # thread's own stop.wait()); the thread reading set_wakeup_fd's pipe does
+    stop = threading.Event()
+    with setting_on((signal.SIGUSR1,), stop):
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        assert stop.wait(10)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
