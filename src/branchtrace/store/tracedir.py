@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -314,33 +315,37 @@ class TraceDir:
 
         Stream mode: the drained words, then the ring's rest.  Wrap mode: the ring's tail.
         """
-        parts: list[np.ndarray] = []
+        with self._stream_parts(tid) as (ring, parts, pos):
+            if ring is None:
+                return parts[0], pos
+            return ring.expand(parts), pos  # one copy of the words, not two
+
+    def record_count(self, tid: int) -> int:
+        """How many records (PAD excluded) `words(tid)` holds, counted in the block slots
+        as they are: expanding them loads numba's kernels, a second of `info`'s start-up."""
+        with self._stream_parts(tid) as (ring, parts, _):
+            slots = ring is not None and bool(ring.table_size)
+            return sum(count_records(part, slots=slots)[0] for part in parts)
+
+    @contextlib.contextmanager
+    def _stream_parts(self, tid: int) -> Iterator[tuple[Ring | None, list[np.ndarray], int]]:
+        """The thread's ring (open while inside; None for a snapshot, whose words are all
+        it has), the parts of its stream as stored (block slots not expanded), and the
+        stream position of the first word."""
         drained = self._drained(tid)
         if not self.ring_path(tid).exists():  # a snapshot: the words alone
-            return (np.zeros(0, dtype="<u8") if drained is None else drained), 0
+            yield None, [np.zeros(0, dtype="<u8") if drained is None else drained], 0
+            return
         with Ring.open(self.ring_path(tid)) as ring:
             rest, pos = RingReader(ring).read_words()
+            parts: list[np.ndarray] = []
             if drained is not None and drained.size:
                 rest = self._after_drained(tid, drained, rest, pos)
                 parts.append(drained)
                 pos = 0
             if rest.size or not parts:
                 parts.append(rest)
-            return ring.expand(parts), pos  # one copy of the words, not two
-
-    def record_count(self, tid: int) -> int:
-        """How many records (PAD excluded) `words(tid)` holds, counted in the block slots
-        as they are: expanding them loads numba's kernels, a second of `info`'s start-up."""
-        drained = self._drained(tid)
-        if not self.ring_path(tid).exists():  # a snapshot: its words, as words() gives them
-            return count_records(self.words(tid)[0])[0]
-        with Ring.open(self.ring_path(tid)) as ring:
-            rest, pos = RingReader(ring).read_words()
-            parts = [rest]
-            if drained is not None and drained.size:
-                parts = [drained, self._after_drained(tid, drained, rest, pos)]
-            slots = bool(ring.table_size)
-            return sum(count_records(part, slots=slots)[0] for part in parts)
+            yield ring, parts, pos
 
 
 def _from_a_record(words: np.ndarray) -> np.ndarray:
