@@ -155,14 +155,21 @@ def attach_target(
         target.stdout.close()
 
 
-def kill_tool(tool: subprocess.Popen) -> str:
-    """SIGKILL the recorder `tool`; what the program it leaves behind then prints to the
+def kill_tool(tool: subprocess.Popen, recorder: bool = False, close_stderr: bool = True) -> str:
+    """SIGKILL the recorder `tool` (with --follow-fork, `recorder`: the recorder it runs in a
+    child process, and not the tool); what the program it leaves behind then prints to the
     end (it shares the recorder's stdout)."""
-    tool.send_signal(signal.SIGKILL)
+    if recorder:
+        children = Path(f"/proc/{tool.pid}/task/{tool.pid}/children").read_text().split()
+        assert len(children) == 1, f"not one recorder under the tool: {children}"
+        os.kill(int(children[0]), signal.SIGKILL)
+    else:
+        tool.send_signal(signal.SIGKILL)
     tool.wait()
     rest = tool.stdout.read()
     tool.stdout.close()
-    tool.stderr.close()
+    if close_stderr:
+        tool.stderr.close()
     return rest
 
 
@@ -193,10 +200,10 @@ def finished(spin: subprocess.Popen) -> int:
     return rounds
 
 
-def recording_of_spin(out: Path, programs) -> subprocess.Popen:
+def recording_of_spin(out: Path, programs, *options: str) -> subprocess.Popen:
     """`record -- spin`, 0.3 s after the program said it is ready."""
     tool = subprocess.Popen(
-        [*BT, "record", "-o", str(out), "--", str(programs["spin"])],
+        [*BT, "record", "-o", str(out), *options, "--", str(programs["spin"])],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -2021,16 +2028,57 @@ def test_the_tool_killed_while_attached_with_follow_fork_leaves_the_program_fork
         tool.stderr.close()
         printed, _ = target.communicate(timeout=60)
     assert target.returncode == 0 and printed.split() == [str(rounds)], started + err
-    assert "was killed; its recorder stopped as at Ctrl-C" in err, started + err
+    assert "was killed; its recorder stopped and detached" in err, started + err
     assert f"detached from pid {target.pid}; it keeps running" in err, started + err
     trace = TraceDir.open(out)
     assert trace.meta()["detached"] and calls_to(trace, target.pid, forkloop, "round_done") > 0
 
 
+def test_the_tool_killed_while_it_follows_a_spawned_programs_forks_leaves_it_forking(
+    tmp_path, programs
+):
+    # as attached (above): killed, the tool leaves its recorder, which detaches from the
+    # program and its children where it ended the program at Ctrl-C; before, a SIGKILL
+    # 1.1-1.9 s into `forkloop 40 20000` killed the program in 3 runs of 8
+    rounds, out, forkloop = 300, tmp_path / "d", programs["forkloop"]
+    options = ["--mode", "wrap", "--buffer-size", "512K", "--follow-fork"]
+    tool = subprocess.Popen(
+        [*BT, "record", "-o", str(out), *options, "--", str(forkloop), str(rounds), "5000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert tool.stdout.readline().startswith("ready")  # forking from now on, every 5 ms
+    started = tool.stderr.readline()
+    assert "Ctrl-C to stop" in started, started + tool.stderr.read()
+    time.sleep(1)
+    printed = kill_tool(tool, close_stderr=False)
+    err = tool.stderr.read()  # to its end: the recorder's, once it has finished
+    tool.stderr.close()
+    assert printed.split() == [str(rounds)], started + err  # every child exited 0
+    assert "was killed; its recorder stopped and detached" in err, started + err
+    assert f"detached from {forkloop}; it keeps running" in err, started + err
+    trace = TraceDir.open(out)
+    meta = trace.meta()
+    assert meta["detached"] and meta["exit_code"] is None and meta["signal"] is None
+    assert calls_to(trace, meta["pid"], forkloop, "round_done") > 0
+    # each child traced to its end made its 7 calls of f
+    ended = [
+        parse_thread_label(label)
+        for label, ending in meta["processes"].items()
+        if ending.get("exit_code") == 0
+    ]
+    assert ended, meta["processes"]
+    assert [calls_to(trace, child, forkloop, "f") for child in ended] == [7] * len(ended)
+
+
 @pytest.mark.parametrize("mode", ["stream", "wrap"])
-def test_the_tool_killed_after_a_childs_exec_leaves_the_program_running(tmp_path, programs, mode):
+def test_the_recorder_killed_after_a_childs_exec_leaves_the_program_running(
+    tmp_path, programs, mode
+):
     # after a child's exec Frida never calls the agent's dispose() again, so a recorder that
-    # goes away leaves the agent's end to Frida: the program must run on all the same
+    # goes away leaves the agent's end to Frida: the program must run on all the same (the
+    # recorder itself is killed: killed, the tool would have it detach first)
     n = 20_000_000
     options = ["--mode", mode, "--buffer-size", "512K", "--follow-fork", "-o", tmp_path / "d"]
     tool = subprocess.Popen(
@@ -2041,7 +2089,7 @@ def test_the_tool_killed_after_a_childs_exec_leaves_the_program_running(tmp_path
     )
     assert tool.stdout.readline() == "spawned\n"
     time.sleep(0.3)
-    assert kill_tool(tool) == f"child 0 sum {6 + n}\n"
+    assert kill_tool(tool, recorder=True) == f"child 0 sum {6 + n}\n"
     trace = TraceDir.open(tmp_path / "d")
     pid = trace.meta()["pid"]
     assert calls_to(trace, pid, programs["spawn"], "after") > 3
@@ -2612,11 +2660,25 @@ def test_an_attached_program_that_calls_exec_is_left_running_and_named(tmp_path)
     assert "dropped" not in err
 
 
-def test_ctrl_c_when_spawned_ends_the_program_and_keeps_the_trace(tmp_path, programs):
-    tool = recording_of_spin(tmp_path / "d", programs)
-    tool.send_signal(signal.SIGINT)
+@pytest.mark.parametrize(
+    "options, stop",
+    [
+        ((), signal.SIGINT),
+        (("--follow-fork",), signal.SIGINT),
+        (("--follow-fork",), signal.SIGTERM),
+    ],
+    ids=["ctrl-c", "follow-fork-ctrl-c", "follow-fork-sigterm"],
+)
+def test_ctrl_c_when_spawned_ends_the_program_and_keeps_the_trace(
+    tmp_path, programs, options, stop
+):
+    # with --follow-fork the tool passes the signal on to its recorder (_supervise), which
+    # must tell it from the tool's death, after which it would let the program go
+    tool = recording_of_spin(tmp_path / "d", programs, *options)
+    tool.send_signal(stop)
     _, err = tool.communicate(timeout=30)
-    assert tool.returncode == 128 + signal.SIGINT and "killed by SIGINT" in err
+    assert tool.returncode == 128 + signal.SIGINT and "killed by SIGINT" in err, err
+    assert "was killed; its recorder" not in err
     trace = TraceDir.open(tmp_path / "d")
     (tid,) = trace.threads()
     assert trace.meta()["signal"] == signal.SIGINT
@@ -2696,9 +2758,12 @@ def test_frida_giving_up_on_stopping_a_process_says_to_check_on_it():
 
 def test_a_stop_signal_sets_the_stop_event_while_the_main_thread_waits_on_it():
     # the handler itself sets nothing (Event.set() there deadlocked against the main
-    # thread's own stop.wait()); the thread reading set_wakeup_fd's pipe does
+    # thread's own stop.wait()); the thread reading set_wakeup_fd's pipe does, once it has
+    # told `first` which signal came
     stop = threading.Event()
-    with setting_on((signal.SIGUSR1,), stop):
+    firsts: list[tuple[set[int], bool]] = []
+    with setting_on((signal.SIGUSR1,), stop, lambda seen: firsts.append((seen, stop.is_set()))):
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
         assert stop.wait(10)
+    assert firsts == [({signal.SIGUSR1}, False)]
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1

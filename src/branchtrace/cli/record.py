@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -17,6 +19,7 @@ from rich.console import Console
 
 from ..engines import RecordOptions, RecordResult, Target
 from ..engines.base import Trigger
+from ..engines.forkwindow import proc_stat
 from ..engines.stalker import StalkerEngine, resolve_program
 from ..errors import InvalidArgumentError, UsageError
 from ..store import Mode, parse_size
@@ -52,16 +55,19 @@ def _ending(what: str, exit_code: object, signum: object, detached: object) -> s
 #: in the recorder a supervising `branchtrace record` runs: that process's pid
 _SUPERVISOR = "BRANCHTRACE_SUPERVISOR"
 _PR_SET_PDEATHSIG = 1
+#: seconds a dying supervisor takes to be seen gone (_let_go_if_gone)
+SUPERVISOR_DYING = 0.5
 
 
 def _supervise() -> NoReturn:
-    """Attached with --follow-fork, the recording runs in a child process, this one waiting
-    for it and exiting as it does: Frida's agent asks the recorder at every fork() of the
-    program, and aborts the program when the recorder is gone (frida-core's
-    do_prepare_to_fork calls error()), so a recorder killed with SIGKILL killed the program
-    it was attached to (2 attaches of 6 to `forkloop 400 5000`, SIGKILL 2.5 s in: SIGSEGV
-    once, SIGABRT once).  Killed, this process leaves the recorder, which stops as at
-    Ctrl-C: the program is detached and runs on, and the trace is whole."""
+    """With --follow-fork, the recording runs in a child process, this one waiting for it
+    and exiting as it does: Frida's agent asks the recorder at every fork() of the program,
+    and aborts the program when the recorder is gone (frida-core's do_prepare_to_fork calls
+    error()), so a recorder killed with SIGKILL killed the program it traced (2 attaches
+    of 6 to `forkloop 400 5000`, SIGKILL 2.5 s in: SIGSEGV once, SIGABRT once; spawned,
+    `forkloop 40 20000`: 3 runs of 8).  Killed, this process leaves the recorder, which
+    detaches from the program, attached or spawned, and its children: they run on, and
+    the trace is whole."""
     child = subprocess.Popen(
         [sys.executable, "-m", "branchtrace.cli.main", *cli_main.raw_args()],
         env={**os.environ, _SUPERVISOR: str(os.getpid())},
@@ -78,12 +84,34 @@ def _supervise() -> NoReturn:
     sys.exit(128 - code if code < 0 else code)
 
 
-def _stop_when_gone(supervisor: int, stop: threading.Event) -> None:
-    """The recorder's side of _supervise: SIGTERM, so a stop, when the supervisor dies."""
+def _stop_when_gone(supervisor: int, stop: threading.Event, let_go: threading.Event) -> None:
+    """The recorder's side of _supervise: SIGTERM, so a stop, when the supervisor dies
+    (its SIGTERM reaches setting_on, which first calls _let_go_if_gone)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != supervisor:  # it died before the prctl
+        let_go.set()
         stop.set()
+
+
+def _let_go_if_gone(supervisor: int | None, let_go: threading.Event) -> Callable[[set[int]], None]:
+    """Before a stop: a supervisor that is gone was killed, and the spawned program is let
+    go, not ended as at Ctrl-C (a SIGTERM the supervisor passes on ends it).  The death
+    signal comes as the supervisor's first thread exits, before the others (Frida's) have
+    and while getppid() still names it: it is looked at for up to SUPERVISOR_DYING s."""
+
+    def check(signals: set[int]) -> None:
+        if supervisor is None or signal.SIGTERM not in signals:
+            return
+        deadline = time.monotonic() + SUPERVISOR_DYING
+        while time.monotonic() < deadline:
+            state = proc_stat(supervisor)
+            if os.getppid() != supervisor or state is None or state[0] in "ZX":
+                let_go.set()
+                return
+            time.sleep(0.005)
+
+    return check
 
 
 def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
@@ -271,27 +299,28 @@ def record(
         follow_fork=follow_fork,
         compress=compress,
     )
-    supervisor = os.environ.pop(_SUPERVISOR, None)
-    if pid is not None and follow_fork and engine == "stalker" and supervisor is None:
+    supervisor_pid = os.environ.pop(_SUPERVISOR, None)
+    if follow_fork and engine == "stalker" and supervisor_pid is None:
         _supervise()
-    stop = threading.Event()
+    supervisor = None if supervisor_pid is None else int(supervisor_pid)
+    stop, let_go = threading.Event(), threading.Event()
+    target = Target(argv=command, pid=pid)
     # supervised, a hang-up (the terminal's, or passed on) stops the recording too: dying of
     # it would leave the program to Frida's abort at its next fork()
     stops = (signal.SIGINT, signal.SIGTERM) + (signal.SIGHUP,) * (supervisor is not None)
-    with setting_on(stops, stop):
+    with setting_on(stops, stop, _let_go_if_gone(supervisor, let_go)):
         if supervisor is not None:
-            _stop_when_gone(int(supervisor), stop)
+            _stop_when_gone(supervisor, stop, let_go)
         if engine == "step":
             from ..engines.step import StepEngine  # capstone and pyelftools: ~40 ms to import
 
-            chosen: StalkerEngine | StepEngine = StepEngine()
+            result = StepEngine().record(target, options, _CliEvents(), stop)
         else:
-            chosen = StalkerEngine()
-        result = chosen.record(Target(argv=command, pid=pid), options, _CliEvents(), stop)
-    if supervisor is not None and os.getppid() != int(supervisor):
+            result = StalkerEngine().record(target, options, _CliEvents(), stop, let_go)
+    if let_go.is_set():
         result.warnings.append(
-            f"branchtrace's own process (pid {supervisor}) was killed; its recorder stopped "
-            "as at Ctrl-C: the program was detached and runs on"
+            f"branchtrace's own process (pid {supervisor}) was killed; its recorder stopped"
+            + (" and detached: the program runs on, untraced" if result.detached else "")
         )
     print_summary(result, command[0] if command else f"pid {pid}", sched)
     if result.snapshots:

@@ -6,17 +6,22 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def setting_on(signals: tuple[signal.Signals, ...], stop: threading.Event) -> Iterator[None]:
+def setting_on(
+    signals: tuple[signal.Signals, ...],
+    stop: threading.Event,
+    first: Callable[[set[int]], None] | None = None,
+) -> Iterator[None]:
     """While inside, any of `signals` sets `stop`.  Not from the handler itself: Python runs
     handlers in the main thread between two bytecodes, and `Event.set()` there waits for the
     event's lock, which the main thread holds inside its own `stop.wait()`: a recorder whose
     tool was killed (its SIGTERM from PR_SET_PDEATHSIG) hung that way for good.  The C
     handler writes the signal's number to a pipe (`signal.set_wakeup_fd`), and a thread
-    reading it sets `stop`."""
+    reading it sets `stop`, after calling `first` with the signals' numbers (it may say how
+    to stop)."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     numbers = {int(s) for s in signals}
@@ -24,7 +29,9 @@ def setting_on(signals: tuple[signal.Signals, ...], stop: threading.Event) -> It
     def watch() -> None:
         with open(read_end, "rb", buffering=0) as wakeups:
             while data := wakeups.read(64):
-                if numbers.intersection(data):
+                if seen := numbers.intersection(data):
+                    if first is not None:
+                        first(seen)
                     stop.set()
 
     watcher = threading.Thread(target=watch, name="bt-signals", daemon=True)

@@ -420,6 +420,44 @@ def _detached(session: Any) -> bool:
     return True
 
 
+def _stop_and_detach(
+    pid: int, agent: _Agent, session: Any, rec: _Recording, result: RecordResult, guard: _StopGuard
+) -> bool:
+    """End the recording of process `pid`, running, and leave it running: True if Frida
+    unloads its agent only later (_unloading_later).  An agent that does not answer leaves
+    the process as it is, its rings read as a killed recorder's; any other failure (the
+    process ended meanwhile) is raised."""
+    guard.on()
+    try:
+        stopped = _stop_agent(agent)
+        far = stopped.get("farBlocks", 0)
+        for tid in stopped.get("stillInFork", []):
+            rec.untraced_threads.append(
+                {"pid": pid, "tid": int(tid), "start": "inside fork(), never seen out"}
+            )
+            rec._error(
+                f"thread {tid} of pid {pid} was inside fork() at the attach and was not "
+                "seen coming out before the recording ended: not traced (following it "
+                "inside fork() would kill its child)"
+            )
+        if far:
+            result.warnings.append(
+                f"{far} blocks were not traced (above 2^47, or no memory for them)"
+            )
+        asleep = _let_go_asleep(pid, agent, stopped.get("asleep", []))
+        result.detached = True
+        if not _detached(session):
+            result.warnings.append(_unloading_later(f"pid {pid}", asleep))
+            return True
+    except AgentTimeoutError:
+        result.warnings.append(_stuck_agent(f"pid {pid}", agent.frozen))
+        rec.orphaned.add(pid)  # its rings were never closed
+        result.detached = True  # left as it is: not ended, as the summary said
+    finally:
+        guard.off()
+    return False
+
+
 def _let_go_asleep(pid: int, agent: _Agent, asleep: list[int]) -> list[int]:
     """Let go of the threads of `pid` that sleep in a system call since the recording ended
     (asleep.let_go), so that Frida can unload its agent now and the process keeps no ring
@@ -1717,8 +1755,15 @@ class StalkerEngine:
     _closes_frida_at_exit = False
 
     def record(
-        self, target: Target, options: RecordOptions, events: Events, stop: threading.Event
+        self,
+        target: Target,
+        options: RecordOptions,
+        events: Events,
+        stop: threading.Event,
+        let_go: threading.Event | None = None,
     ) -> RecordResult:
+        """`let_go`, set before `stop`: a spawned program is detached from and runs on
+        (with its children), where a stop ends it otherwise (as perf record does)."""
         if not StalkerEngine._closes_frida_at_exit:
             atexit.register(_close_frida)
             StalkerEngine._closes_frida_at_exit = True
@@ -1739,7 +1784,8 @@ class StalkerEngine:
         started = False
         try:
             if program is not None:
-                result = self._spawn(program, target.argv, rec, meta, events, stop, options)
+                let_go = let_go or threading.Event()
+                result = self._spawn(program, target.argv, rec, meta, events, stop, let_go, options)
             else:
                 assert target.pid is not None
                 # before the attach: a process not our child tells how it ended only there
@@ -1795,6 +1841,7 @@ class StalkerEngine:
         meta: dict[str, Any],
         events: Events,
         stop: threading.Event,
+        let_go: threading.Event,
         options: RecordOptions,
     ) -> RecordResult:
         init = init_offset(program)
@@ -1857,8 +1904,14 @@ class StalkerEngine:
             _bounded(agent.script.exports_sync.fork_done_last)
         deadline = None if options.duration is None else time.monotonic() + options.duration
         device.resume(pid)
-        killed = self._wait_child(
-            pid, stop, deadline, exited, status, lambda: forks is not None and pid in forks.frozen()
+        ending = self._wait_child(
+            pid,
+            stop,
+            let_go,
+            deadline,
+            exited,
+            status,
+            lambda: forks is not None and pid in forks.frozen(),
         )
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
@@ -1866,18 +1919,38 @@ class StalkerEngine:
         if dropped:
             rec.orphaned.add(pid)
             result.warnings.append(_dropped_warning(f"{argv[0]} (pid {pid})", dropped[0]))
-        if killed:
+        if ending == "killed":
             rec.orphaned.add(pid)  # its rings were never closed
             result.warnings.append(_frozen(f"{argv[0]} (pid {pid})", _FROZEN_KILLED))
+        under_frida = None
+        if ending == "let go":
+            # its children forked from here on, untraced, may hang on Frida's heap lock
+            # while the agent unloads (ForksUnderFrida), as after an attach
+            under_frida = ForksUnderFrida(pid)
+            under_frida.attached(follow_new=False)
         if forks is not None:
             forks.wait(stop, deadline)
             result.processes = forks.close()
-        with contextlib.suppress(Exception):
-            _detached(session)
+        if under_frida is not None:
+            under_frida.detaching()
+            agent_stays = False
+            if not (dropped or replaced.is_set() or exited.is_set()):
+                with contextlib.suppress(Exception):  # it ended meanwhile: as if not let go
+                    guard = _StopGuard(pid, rec)
+                    agent_stays = _stop_and_detach(pid, agent, session, rec, result, guard)
+            elif replaced.is_set() and forks is not None:  # its exec'ed image was let go
+                image = result.processes.get(forks.image.get(pid, pid), {})
+                result.detached = bool(image.get("detached"))
+            at_risk = under_frida.settle(timeout=0.2 if agent_stays or agent.frozen else 2.0)
+            result.warnings += _forks_under_frida_warnings(pid, under_frida, at_risk)
+        if not result.detached:
+            with contextlib.suppress(Exception):
+                _detached(session)
         result.threads = rec.finish()
         # the watcher reads the exec event before the exit event (one socket, in order):
         # once it has the exit status it knows of any exec
-        wait_status = watcher.status(pid, timeout=2) if watcher.available else None
+        running = result.detached and not exited.is_set()
+        wait_status = watcher.status(pid, timeout=2) if watcher.available and not running else None
         watcher.close()
         if replaced.is_set() or pid in watcher.execs:
             result.execd = True
@@ -1891,7 +1964,7 @@ class StalkerEngine:
                 result.exit_code = status[0].si_status
             else:
                 result.signal = status[0].si_status
-        else:
+        elif not running:
             result.warnings.append("the program's exit status could not be observed")
         return result
 
@@ -1899,12 +1972,14 @@ class StalkerEngine:
     def _wait_child(
         pid: int,
         stop: threading.Event,
+        let_go: threading.Event,
         deadline: float | None,
         exited: threading.Event,
         status: list[os.waitid_result],
         frozen: Callable[[], bool],
-    ) -> bool:
-        """Until the spawned program `pid` has ended; True if it froze in Frida's recovery
+    ) -> str:
+        """Until the spawned program `pid` has ended ("ended"), or is to be let go of,
+        running ("let go": `let_go` and `stop`); "killed" if it froze in Frida's recovery
         from a fork() (_ForkCounters.frozen) and was killed for it: it would never have run
         again, and would have died of SIGSEGV as branchtrace exits."""
         interrupted_at = None
@@ -1917,7 +1992,9 @@ class StalkerEngine:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                     exited.wait(5)
-                    return True
+                    return "killed"
+            if interrupted_at is None and stop.is_set() and let_go.is_set():
+                return "let go"
             if interrupted_at is None and (stop.is_set() or (deadline and now > deadline)):
                 # like perf record: stopping the recording of a spawned program ends it
                 interrupted_at = now
@@ -1926,7 +2003,7 @@ class StalkerEngine:
             elif interrupted_at is not None and now - interrupted_at > 3:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        return False
+        return "ended"
 
     # -- attach ------------------------------------------------------------------------------
 
@@ -2060,40 +2137,14 @@ class StalkerEngine:
             traced = forks is not None and forks.exec_traced(pid)
             self._attached_gone(pid, why_gone[0], rec, result, watcher, traced)
         else:
-            guard.on()
             try:
-                stopped = _stop_agent(agent)
-                far = stopped.get("farBlocks", 0)
-                for tid in stopped.get("stillInFork", []):
-                    rec.untraced_threads.append(
-                        {"pid": pid, "tid": int(tid), "start": "inside fork(), never seen out"}
-                    )
-                    rec._error(
-                        f"thread {tid} of pid {pid} was inside fork() at the attach and was not "
-                        "seen coming out before the recording ended: not traced (following it "
-                        "inside fork() would kill its child)"
-                    )
-                if far:
-                    result.warnings.append(
-                        f"{far} blocks were not traced (above 2^47, or no memory for them)"
-                    )
-                asleep = _let_go_asleep(pid, agent, stopped.get("asleep", []))
-                if not _detached(session):
-                    result.warnings.append(_unloading_later(f"pid {pid}", asleep))
-                    agent_stays = True
-                result.detached = True
-            except AgentTimeoutError:
-                result.warnings.append(_stuck_agent(f"pid {pid}", agent.frozen))
-                rec.orphaned.add(pid)  # its rings were never closed
-                result.detached = True  # left as it is: not ended, as the summary said
+                agent_stays = _stop_and_detach(pid, agent, session, rec, result, guard)
             except Exception as e:
                 if gone.wait(1):  # dropped while we stopped it
                     self._attached_gone(pid, why_gone[0], rec, result, watcher)
                 else:
                     result.warnings.append(f"detaching failed: {e}")
                     rec.orphaned.add(pid)
-            finally:
-                guard.off()
         # children are watched until the agent has left, unless it stays on for now
         # an agent that stays, or cannot leave a frozen program, is not waited for
         at_risk = under_frida.settle(timeout=0.2 if agent_stays or agent.frozen else 2.0)
