@@ -2005,7 +2005,8 @@ def test_the_tool_killed_while_attached_with_follow_fork_leaves_the_program_fork
     # forks, and aborts the program once the recorder is gone: attached to `forkloop 400
     # 5000`, a SIGKILL of the tool 2.5 s in killed it in 2 runs of 6.  So the recording runs
     # in a child of the tool, which stops as at Ctrl-C when the tool dies (6 runs of 6 ran
-    # on with all 400 children exiting 0).
+    # on with all 400 children exiting 0), and in a process group of its own: the tool's
+    # whole group is killed here, as `kill -9 %1` kills a shell's job.
     missing = record(tmp_path / "none", "--follow-fork", "-p", "999999999")
     assert missing.returncode == 11 and len(missing.stderr.strip().splitlines()) == 1
     rounds, out = 300, tmp_path / "d"
@@ -2016,13 +2017,14 @@ def test_the_tool_killed_while_attached_with_follow_fork_leaves_the_program_fork
             [*BT, "record", "-o", str(out), *options, "-p", str(target.pid)],
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         started = tool.stderr.readline()
         assert "Ctrl-C to stop and detach" in started, started + tool.stderr.read()
         target.stdin.write("go\n")  # forking from now on, every 5 ms
         target.stdin.flush()
         time.sleep(1)
-        tool.send_signal(signal.SIGKILL)
+        os.killpg(tool.pid, signal.SIGKILL)
         tool.wait()
         err = tool.stderr.read()  # to its end: the recorder's, once it has finished
         tool.stderr.close()

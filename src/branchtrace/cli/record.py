@@ -86,7 +86,14 @@ def _supervise() -> NoReturn:
 
 def _stop_when_gone(supervisor: int, stop: threading.Event, let_go: threading.Event) -> None:
     """The recorder's side of _supervise: SIGTERM, so a stop, when the supervisor dies
-    (its SIGTERM reaches setting_on, which first calls _let_go_if_gone)."""
+    (its SIGTERM reaches setting_on, which first calls _let_go_if_gone).  In a process group
+    of its own, which a SIGKILL of the tool's job (`kill -9 %1`, a killed `timeout`) does
+    not reach; the tool passes on what the terminal sends its group (a spawned program is
+    in a session of its own, Frida's).  Writing to the terminal from there must not stop
+    it (`stty tostop`): the program would wait at its next fork()."""
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != supervisor:  # it died before the prctl
