@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from branchtrace.cli import main as cli_main
 from branchtrace.store.format import c_writer_source
 
 TESTS = Path(__file__).parent
@@ -107,3 +111,19 @@ def shm_dir():
     for p in d.iterdir():
         p.unlink()
     d.rmdir()
+
+
+def in_process(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """`branchtrace ARGV` through the same main() (its error lines, its exit codes), in the
+    test process: a reading command started as a process of its own spends 1.5 s loading
+    numba."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli_main.main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(
+        [sys.executable, "-m", "branchtrace.cli.main", *argv], code, out.getvalue(), err.getvalue()
+    )

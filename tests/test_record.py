@@ -21,6 +21,7 @@ from typing import Any
 import frida
 import numpy as np
 import pytest
+from conftest import in_process
 
 import branchtrace
 from branchtrace.cli.signals import setting_on
@@ -952,10 +953,10 @@ def test_threads_given_the_ids_of_earlier_threads_are_traced_as_threads_of_their
     # the views name it id#2 and take that for --tid
     label = thread_label(again[0])
     assert re.fullmatch(r"3\d\d#[2-9]", label), label
-    calls = subprocess.run([*BT, "calls", str(out), "--tid", label], capture_output=True, text=True)
+    calls = in_process(["calls", str(out), "--tid", label])
     assert calls.returncode == 0 and f"thread {label}, process {meta['pid']}" in calls.stdout
     assert "nothing" in calls.stdout
-    info = subprocess.run([*BT, "info", str(out)], capture_output=True, text=True)
+    info = in_process(["info", str(out)])
     assert f"T{label}.bts" in info.stdout
 
 
@@ -985,7 +986,7 @@ def test_a_forked_child_given_an_earlier_childs_pid_is_traced_as_a_process_of_it
     assert f"{len(children) + 1} processes" in res.stderr
     # the views name it pid#2 and take that for --tid
     label = thread_label(again)
-    calls = subprocess.run([*BT, "calls", str(out), "--tid", label], capture_output=True, text=True)
+    calls = in_process(["calls", str(out), "--tid", label])
     assert calls.returncode == 0 and f"thread {label}" in calls.stdout, calls.stderr
     assert calls.stdout.count(" f  pidreuse.c") == 7, calls.stdout
 
@@ -1110,7 +1111,7 @@ def test_a_recorder_failing_after_the_program_ran_keeps_its_trace(tmp_path, prog
     trace = TraceDir.open(out)
     (tid,) = trace.threads()
     assert calls_to(trace, tid, programs["loop23"], "f") == 23
-    info = subprocess.run([*BT, "info", str(out)], capture_output=True, text=True)
+    info = in_process(["info", str(out)])
     assert "recording did not finish" in info.stdout, info.stderr
 
 
@@ -1278,18 +1279,18 @@ def test_info_names_a_forked_child_that_frida_could_not_trace(tmp_path, programs
     trace = TraceDir.open(tmp_path / "d")
     meta = trace.meta()
     (ending,) = meta["processes"].values()
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert "followed 1 forked child process(es): 1 exited with status 0" in info.stdout
     # as the recorder writes it when loading an agent into the child failed
     ending["untraced"] = "the stalker agent failed to start: no answer from the agent"
     trace.write_meta(meta)
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert info.returncode == 0, info.stderr
     assert "followed 1 forked child process(es): 1 not traced" in info.stdout
     # as _ForkFollower.close writes it for a child frozen before Frida reported it
     ending.update(untraced="frozen before Frida reported it", frozen=True, signal=9)
     trace.write_meta(meta)
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert "followed 1 forked child process(es): 1 frozen in Frida's fork() recovery" in (
         info.stdout
     )
@@ -1472,7 +1473,7 @@ def test_a_forked_childs_session_frida_drops_is_reported_not_taken_for_its_end(
         "detached": True,
     }
     assert any(f"Frida dropped its session with forked child {child}" in w for w in result.warnings)
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert "1 dropped by Frida" in info.stdout, info.stdout
 
 
@@ -1602,12 +1603,9 @@ def test_the_tool_killed_leaves_the_program_running_and_the_trace_readable(tmp_p
     tool = recording_of_spin(out, programs)
     # the program is orphaned, not stopped: it finishes on its own with the right output
     assert kill_tool(tool).strip() == SPIN_OUTPUT
-    info = subprocess.run([*BT, "info", str(out), "--json"], capture_output=True, text=True)
+    info = in_process(["info", str(out), "--json"])
     assert info.returncode == 0, info.stderr
-    assert (
-        "did not finish"
-        in subprocess.run([*BT, "info", str(out)], capture_output=True, text=True).stdout
-    )
+    assert "did not finish" in in_process(["info", str(out)]).stdout
     trace = TraceDir.open(out)
     (tid,) = trace.threads()
     assert calls_to(trace, tid, programs["spin"], "f") > 0
@@ -1760,7 +1758,7 @@ def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
     trace = TraceDir.open(tmp_path / "d")
     assert trace.meta()["exit_code"] == 3 and trace.meta()["exec"] is True
     # its ring was left as the exec found it: ended there, not "died"
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert "ended at exec" in info.stdout and "died" not in info.stdout, info.stdout
 
 
@@ -1807,7 +1805,7 @@ def test_follow_fork_traces_the_programs_that_the_program_and_its_children_exec(
         assert first["a"] == modules(trace, key).runtime_address(loop23.name, "_init")
         assert branchtrace.open(trace.path).end(key).call == "exit_group"
     # the images that exec'ed end there, and the views say so
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert info.stdout.count("ended at exec") == 3, info.stdout
     assert "followed 3 exec'ed program image(s): dash, loop23" in info.stdout.replace(
         os.path.basename(shell), "dash"
@@ -1819,9 +1817,7 @@ def test_follow_fork_traces_the_programs_that_the_program_and_its_children_exec(
         assert end is not None and end.call == "execve" and end.status is None
         where = opened.modules(key).symbolize(np.array([end.address]))[0]
         assert where.startswith("execve+"), where
-    insns = subprocess.run(
-        [*BT, "insns", str(tmp_path / "d"), "--tid", str(pid)], capture_output=True, text=True
-    )
+    insns = in_process(["insns", str(tmp_path / "d"), "--tid", str(pid)])
     assert insns.stdout.splitlines()[-1] == "-- the process exec'ed a new program here: execve()"
     assert insns.stdout.splitlines()[-2].split()[1:] == [where, "syscall"]
     assert_counts_are_the_records(trace)
@@ -2095,7 +2091,7 @@ def test_the_recorder_killed_after_a_childs_exec_leaves_the_program_running(
     trace = TraceDir.open(tmp_path / "d")
     pid = trace.meta()["pid"]
     assert calls_to(trace, pid, programs["spawn"], "after") > 3
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert info.returncode == 0 and ".spare" not in info.stdout, info.stdout + info.stderr
 
 
@@ -2183,7 +2179,7 @@ def test_sched_records_context_switches_merged_in_time_order(tmp_path, programs)
     timed = recs[np.isin(kinds, [RecordType.SWITCH_OUT, RecordType.SWITCH_IN, RecordType.TIME])]
     assert np.all(np.diff(timed["a"].astype(np.int64)) >= 0)  # one time order
     assert calls_to(trace, tid, programs["sleeper"], "f") == 20
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert "switches" in info.stdout and str(switches) in info.stdout
 
 
@@ -2305,7 +2301,7 @@ def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mo
     recs = parse_words(words, pos)
     assert int((recs["type"] == RecordType.GAP).sum()) == 3
     assert_counts_are_the_records(trace)
-    info = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
+    info = in_process(["info", str(tmp_path / "d")])
     assert "untraced stretches (GAP records): signal 3" in info.stdout
 
 

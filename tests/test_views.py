@@ -3,8 +3,6 @@ fixtures with known answers."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -14,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import in_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import branchtrace
 from branchtrace.analysis.kernels import HOW_CALL
-from branchtrace.cli import main as cli_main
 from branchtrace.cli.views import _json_strings
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
@@ -37,18 +35,6 @@ def bt(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[st
         return in_process(argv)
     env = None if columns is None else {**os.environ, "COLUMNS": str(columns)}
     return subprocess.run([*BT, *argv], capture_output=True, text=True, timeout=300, env=env)
-
-
-def in_process(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    """`branchtrace ARGV` through the same main() (its error lines, its exit codes)."""
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            cli_main.main(argv)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return subprocess.CompletedProcess([*BT, *argv], code, out.getvalue(), err.getvalue())
 
 
 def recorded(tmp_path: Path, program: Path, *args: str, mode: str = "stream", **kw) -> Path:
