@@ -445,8 +445,9 @@ def _stop_and_detach(
                 f"{far} blocks were not traced (above 2^47, or no memory for them)"
             )
         asleep = _let_go_asleep(pid, agent, stopped.get("asleep", []))
+        stays = not _detached(session)
         result.detached = True
-        if not _detached(session):
+        if stays:
             result.warnings.append(_unloading_later(f"pid {pid}", asleep))
             return True
     except AgentTimeoutError:
