@@ -162,7 +162,7 @@ def kill_tool(tool: subprocess.Popen, recorder: bool = False, close_stderr: bool
     end (it shares the recorder's stdout)."""
     if recorder:
         children = Path(f"/proc/{tool.pid}/task/{tool.pid}/children").read_text().split()
-        assert len(children) == 1, f"not one recorder under the tool: {children}"
+        assert len(children) == 1, f"not one recorder under the tool (ended?): {children}"
         os.kill(int(children[0]), signal.SIGKILL)
     else:
         tool.send_signal(signal.SIGKILL)
@@ -2076,8 +2076,9 @@ def test_the_recorder_killed_after_a_childs_exec_leaves_the_program_running(
 ):
     # after a child's exec Frida never calls the agent's dispose() again, so a recorder that
     # goes away leaves the agent's end to Frida: the program must run on all the same (the
-    # recorder itself is killed: killed, the tool would have it detach first)
-    n = 20_000_000
+    # recorder itself is killed: killed, the tool would have it detach first); 20,000,000
+    # calls ended before the kill in wrap mode, 1 run in 4
+    n = 200_000_000
     options = ["--mode", mode, "--buffer-size", "512K", "--follow-fork", "-o", tmp_path / "d"]
     tool = subprocess.Popen(
         [*BT, "record", *map(str, options), "--", str(programs["spawn"]), "posix_spawn", str(n)],
