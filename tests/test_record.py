@@ -167,6 +167,10 @@ def kill_tool(tool: subprocess.Popen, recorder: bool = False, close_stderr: bool
     else:
         tool.send_signal(signal.SIGKILL)
     tool.wait()
+    # a program that had ended before the kill would leave nothing to test
+    assert tool.returncode == (128 + signal.SIGKILL if recorder else -signal.SIGKILL), (
+        f"the tool had ended before the kill (status {tool.returncode})"
+    )
     rest = tool.stdout.read()
     tool.stdout.close()
     if close_stderr:
@@ -2212,7 +2216,9 @@ def test_sched_without_perf_event_open_warns_and_records_the_branches(
 
 
 def test_killing_the_tool_in_stream_mode_does_not_block_the_program(tmp_path, programs):
-    n = 20_000_000  # fills a 512 KiB ring thousands of times over
+    # fills a 512 KiB ring thousands of times over, and runs 0.8 s traced with 20,000,000:
+    # the kill 0.3 s in could come after the end on a faster machine
+    n = 100_000_000
     tool = subprocess.Popen(
         [
             *BT,
