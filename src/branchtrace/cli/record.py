@@ -74,7 +74,7 @@ def _supervise() -> NoReturn:
     )
 
     def forward(signum: int, frame: object) -> None:
-        # a terminal's Ctrl-C reaches both processes: the recorder stops once either way
+        # the recorder, in a process group of its own, gets the terminal's signals from here
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
 
