@@ -2748,6 +2748,21 @@ def test_a_stuck_agent_call_is_given_up_after_its_timeout_and_errors_pass_throug
         _bounded({}.__getitem__, "missing")
 
 
+def test_a_stuck_agent_is_blamed_on_fork_following_only_under_it():
+    # an agent slow to answer on a loaded machine was said to be Frida's fork deadlock, in a
+    # recording that followed no fork
+    from branchtrace.engines.stalker import _Agent, _ForkCounters, _stuck_agent
+
+    agent = _Agent(4242)
+    alone = _stuck_agent("pid 4242", agent)
+    assert alone.startswith("the agent in pid 4242 did not answer within 30 s; the trace")
+    where = dict.fromkeys(("held", "inFlight", "passing", "gated"), "0x10")
+    agent.fork_counters = _ForkCounters(4242, where)
+    assert "--follow-fork holds its children" in _stuck_agent("pid 4242", agent)
+    agent.frozen = True
+    assert "faulted inside Frida's recovery from a fork()" in _stuck_agent("pid 4242", agent)
+
+
 def test_frida_giving_up_on_stopping_a_process_says_to_check_on_it():
     # (Frida's injector, on a program forking every ms that handles SIGCHLD: README)
     from branchtrace.engines.stalker import _frida_error

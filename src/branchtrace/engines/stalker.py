@@ -98,11 +98,15 @@ MIN_BUFFER = 8 * CHUNK
 AGENT_TIMEOUT = 10.0
 #: the stop lets go of every thread, and Gum stops each thread once for each hooked function
 #: it invalidates (letGoOfAll in stalker_agent.js): attached to 9 threads, 8 of them busy, on
-#: 2 CPUs, it took 0.12-4 s in 12 attaches; with 3 hooks more, 3 of 36 attaches left a
-#: ring mapped in the program, one of them seen as a stop over 10 s
+#: 2 CPUs, it took 0.12-4 s in 12 attaches; with 4 other busy processes there, the answer
+#: came up to 5 s after the agent's 0.15 s of work
 STOP_TIMEOUT = 30.0
-#: seconds a detach may take once the agent has stopped (_detached)
+#: seconds a detach may take once the agent has stopped, when a thread the host could not let
+#: go of keeps the agent loaded anyway (_detached)
 DETACH_WAIT = 2.0
+#: and when none is known to: on a loaded machine a detach that ends by itself took up to
+#: 2.2 s (`loopers` and 4 other busy processes on 2 CPUs; 0.1 s otherwise)
+DETACH_PATIENCE = 10.0
 #: how often a recording of a running process looks for children stuck on Frida's heap lock
 FORK_CHECK_INTERVAL = 0.25
 #: how long a process found on its way out may take to end (dumping core)
@@ -408,13 +412,14 @@ def _release_forks(agent: _Agent) -> None:
         agent.script.post({"type": "release-forks"})
 
 
-def _detached(session: Any) -> bool:
+def _detached(session: Any, patient: bool = False) -> bool:
     """Detach from `session`, whose agent has stopped; False if Frida is still at it after
-    DETACH_WAIT s.  It goes on by itself: it frees what Stalker keeps for a thread only once
-    the thread runs again, so a detach waits for every thread that sits in a system call it
-    entered traced (a program sleeping, or waiting for input) -- for as long as that takes."""
+    DETACH_WAIT s, or DETACH_PATIENCE s if `patient` (no thread is known to hold it).  It
+    goes on by itself: it frees what Stalker keeps for a thread only once the thread runs
+    again, so a detach waits for every thread that sits in a system call it entered traced
+    (a program sleeping, or waiting for input) -- for as long as that takes."""
     try:
-        _bounded(session.detach, timeout=DETACH_WAIT)
+        _bounded(session.detach, timeout=DETACH_PATIENCE if patient else DETACH_WAIT)
     except AgentTimeoutError:
         return False
     return True
@@ -445,13 +450,13 @@ def _stop_and_detach(
                 f"{far} blocks were not traced (above 2^47, or no memory for them)"
             )
         asleep = _let_go_asleep(pid, agent, stopped.get("asleep", []))
-        stays = not _detached(session)
+        stays = not _detached(session, patient=not asleep)
         result.detached = True
         if stays:
             result.warnings.append(_unloading_later(f"pid {pid}", asleep))
             return True
     except AgentTimeoutError:
-        result.warnings.append(_stuck_agent(f"pid {pid}", agent.frozen))
+        result.warnings.append(_stuck_agent(f"pid {pid}", agent))
         rec.orphaned.add(pid)  # its rings were never closed
         result.detached = True  # left as it is: not ended, as the summary said
     finally:
@@ -512,15 +517,19 @@ def _frozen(process: str, fate: str, traced: bool = True) -> str:
     )
 
 
-def _stuck_agent(process: str, frozen: bool) -> str:
-    if frozen:
+def _stuck_agent(process: str, agent: _Agent) -> str:
+    if agent.frozen:
         return _frozen(
             process, "it never runs again, and dies of that fault (SIGSEGV) as branchtrace exits"
         )
+    why = (
+        " (Frida can deadlock when a process forks while --follow-fork holds its children)"
+        if agent.fork_counters is not None
+        else ""
+    )
     return (
-        f"the agent in {process} did not answer within {STOP_TIMEOUT:.0f} s (Frida can "
-        "deadlock when a process forks while --follow-fork holds its children); the trace up "
-        "to here is kept, the process may be left stuck"
+        f"the agent in {process} did not answer within {STOP_TIMEOUT:.0f} s{why}; the trace "
+        "up to here is kept, the process may be left stuck"
     )
 
 
@@ -1646,7 +1655,7 @@ class _ForkFollower:
         while self._kill_frozen_unreported(young_too=True) and time.monotonic() < deadline:
             time.sleep(0.05)
         running = set(self.running())
-        # each may take DETACH_WAIT s (_detached)
+        # each may take DETACH_PATIENCE s (_detached)
         detaching = [threading.Thread(target=self._detach, args=(pid,)) for pid in running]
         for thread in detaching:
             thread.start()
@@ -1721,14 +1730,16 @@ class _ForkFollower:
         self._let_go_of.add(key)
         what = f"forked child {thread_label(key)}"
         try:
-            stopped = _stop_agent(agent) if agent is not None else {}
-            asleep = stopped.get("asleep", [])
+            asleep: list[int] = []
             if agent is not None:
-                asleep = _let_go_asleep(thread_id(key), agent, asleep)
-            if not _detached(session):
+                try:
+                    stopped = _stop_agent(agent)
+                except AgentTimeoutError:
+                    self.rec._error(_stuck_agent(what, agent))
+                    return
+                asleep = _let_go_asleep(thread_id(key), agent, stopped.get("asleep", []))
+            if not _detached(session, patient=agent is not None and not asleep):
                 self.rec._error(_unloading_later(what, asleep))
-        except AgentTimeoutError:
-            self.rec._error(_stuck_agent(what, agent is not None and agent.frozen))
         except Exception:
             pass  # it ended meanwhile
 

@@ -631,14 +631,31 @@ static void close_own_ring(BtThread *t) {
   exit_c(t);
 }
 
+static int64_t monotonic_ns(void) {
+  long ts[2];
+  clock_gettime(1 /* CLOCK_MONOTONIC */, ts);
+  return ts[0] * 1000000000L + ts[1];
+}
+
+/* When the script's closes of the rings at the end of the recording stop waiting
+   (bt_thread_close): 0.25 s from now. */
+int64_t bt_close_deadline(void) {
+  return monotonic_ns() + 250000000L;
+}
+
 /* The script closes a thread's ring as the recording ends, from its own thread, once the
    traced thread is out of its C code; that waits for the host to drain, in stream mode,
-   which it does meanwhile.  A thread still inside after 0.25 s (a process stopped with
-   SIGSTOP) is asked to close it as it leaves (exit_c), and the script goes on: each side
-   sets its own flag, then a full barrier, then reads the other's, so one of the two does. */
-void bt_thread_close(BtThread *t) {
-  for (int round = 0; !t->closed; round++) {
-    if (round == 2500) {
+   which it does meanwhile.  A thread still inside at `deadline` (bt_close_deadline, one for
+   all the threads: a process stopped with SIGSTOP) is asked to close it as it leaves
+   (exit_c), and the script goes on: each side sets its own flag, then a full barrier, then
+   reads the other's, so one of the two does.  A deadline in time, not in rounds of 0.1 ms:
+   on a loaded machine each nanosleep() takes milliseconds, and 2,500 rounds for each of 8
+   threads took over 30 s (8 busy threads of the program and 4 other busy processes on 2
+   CPUs): the host gave up on the agent, and a ring stayed mapped in the program. */
+void bt_thread_close(BtThread *t, int64_t deadline) {
+  while (!t->closed) {
+    int late = monotonic_ns() >= deadline;
+    if (late) {
       t->close_requested = 1;
       bt_full_barrier();
     }
@@ -648,7 +665,7 @@ void bt_thread_close(BtThread *t) {
       unlock_writer(t);
       return;
     }
-    if (round >= 2500)
+    if (late)
       return;
     long pause_ns[2] = {0, 100000};
     syscall(35 /* nanosleep */, pause_ns, NULL);

@@ -228,7 +228,8 @@ const note = (event) => btNote(Memory.allocUtf8String(`${JSON.stringify(event)}\
 const inTracedProcess = () => getpid() === state.readU32();
 const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
 const threadOpen = new NativeFunction(cm.bt_thread_open, 'int', ['pointer', 'pointer', 'uint32']);
-const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer']);
+const threadClose = new NativeFunction(cm.bt_thread_close, 'void', ['pointer', 'int64']);
+const closeDeadline = new NativeFunction(cm.bt_close_deadline, 'int64', []);
 const threadLetGo = new NativeFunction(cm.bt_thread_let_go, 'int', ['pointer']);
 const threadAsleepAt = new NativeFunction(cm.bt_thread_asleep_at, 'uint64', ['pointer']);
 const threadAltstack = new NativeFunction(cm.bt_thread_altstack, 'uint64', ['pointer']);
@@ -779,8 +780,9 @@ function letGoOfAll() {
   // stops the thread with ptrace for each block it finds, and retries for as long as the
   // thread is in that block -- for good, for a thread asleep in a system call there (a
   // shell in wait4(): the agent did not answer).
+  const deadline = closeDeadline();
   for (const t of threads.values()) {
-    threadClose(t);
+    threadClose(t, deadline);
     threadLetGo(t);
   }
   for (const tid of threads.keys()) {
