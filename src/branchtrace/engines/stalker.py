@@ -421,6 +421,7 @@ def _detached(session: Any, patient: bool = False) -> bool:
     try:
         _bounded(session.detach, timeout=DETACH_PATIENCE if patient else DETACH_WAIT)
     except AgentTimeoutError:
+        _agent_left_loaded.set()
         return False
     return True
 
@@ -456,6 +457,7 @@ def _stop_and_detach(
             result.warnings.append(_unloading_later(f"pid {pid}", asleep))
             return True
     except AgentTimeoutError:
+        _agent_left_loaded.set()
         result.warnings.append(_stuck_agent(f"pid {pid}", agent))
         rec.orphaned.add(pid)  # its rings were never closed
         result.detached = True  # left as it is: not ended, as the summary said
@@ -1735,6 +1737,7 @@ class _ForkFollower:
                 try:
                     stopped = _stop_agent(agent)
                 except AgentTimeoutError:
+                    _agent_left_loaded.set()
                     self.rec._error(_stuck_agent(what, agent))
                     return
                 asleep = _let_go_asleep(thread_id(key), agent, stopped.get("asleep", []))
@@ -1746,6 +1749,8 @@ class _ForkFollower:
 
 #: an attached program was left frozen in Frida's recovery from a fork() (_ForkCounters)
 _frida_held_up = threading.Event()
+#: an agent did not unload within its detach, or did not answer: it may stay for long
+_agent_left_loaded = threading.Event()
 
 
 def _close_frida() -> None:
@@ -1755,10 +1760,13 @@ def _close_frida() -> None:
     thread returns to 0x320 and the program dies of SIGSEGV after the recording ended (2
     attaches in about 540 to `slowfork 50 60`).  Closing Frida's device manager waits
     for that -- bounded, because it also waits for an agent that unloads only once its
-    threads run again."""
+    threads run again; when no agent is known to stay, as long as a detach may take (the
+    agent of a program asleep in a system call was still unloading 2 s after the tool
+    exited, once in a run of the test suite)."""
     if not _frida_held_up.is_set():  # else no answer would come (_ForkFollower.close)
+        wait = DETACH_WAIT if _agent_left_loaded.is_set() else DETACH_PATIENCE
         with contextlib.suppress(Exception):
-            _bounded(frida.shutdown, timeout=DETACH_WAIT)
+            _bounded(frida.shutdown, timeout=wait)
     remove_daemon_copies()
 
 
