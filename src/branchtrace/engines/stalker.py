@@ -98,14 +98,14 @@ MIN_BUFFER = 8 * CHUNK
 AGENT_TIMEOUT = 10.0
 #: the stop lets go of every thread, and Gum stops each thread once for each hooked function
 #: it invalidates (letGoOfAll in stalker_agent.js): attached to 9 threads, 8 of them busy, on
-#: 2 CPUs, it took 0.12-4 s in 12 attaches; with 4 other busy processes there, the answer
-#: came up to 5 s after the agent's 0.15 s of work
+#: 2 CPUs, it took 0.12-4 s in 12 attaches; with 4 to 6 other busy processes there, the
+#: answer came up to 5 s (once 21 s) after the agent's 0.12-0.38 s of work
 STOP_TIMEOUT = 30.0
 #: seconds a detach may take once the agent has stopped, when a thread the host could not let
 #: go of keeps the agent loaded anyway (_detached)
 DETACH_WAIT = 2.0
 #: and when none is known to: on a loaded machine a detach that ends by itself took up to
-#: 2.2 s (`loopers` and 4 other busy processes on 2 CPUs; 0.1 s otherwise)
+#: 2.2 s (`loopers` and 4 to 6 other busy processes on 2 CPUs; 0.1 s otherwise)
 DETACH_PATIENCE = 10.0
 #: how often a recording of a running process looks for children stuck on Frida's heap lock
 FORK_CHECK_INTERVAL = 0.25

@@ -650,8 +650,9 @@ int64_t bt_close_deadline(void) {
    (exit_c), and the script goes on: each side sets its own flag, then a full barrier, then
    reads the other's, so one of the two does.  A deadline in time, not in rounds of 0.1 ms:
    on a loaded machine each nanosleep() takes milliseconds, and 2,500 rounds for each of 8
-   threads took over 30 s (8 busy threads of the program and 4 other busy processes on 2
-   CPUs): the host gave up on the agent, and a ring stayed mapped in the program. */
+   threads took over 30 s (`loopers`, 4 of its threads busy, beside 4 to 6 other busy
+   processes on 2 CPUs): the host gave up on the agent, and a ring stayed mapped in the
+   program. */
 void bt_thread_close(BtThread *t, int64_t deadline) {
   while (!t->closed) {
     int late = monotonic_ns() >= deadline;
