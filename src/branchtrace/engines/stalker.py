@@ -401,10 +401,15 @@ def _hold_forks_quietly(agent: _Agent) -> None:
 
 
 def _stop_agent(agent: _Agent) -> Any:
-    """Ends the recording in the process of `agent` (its `stop`), or AgentTimeoutError."""
-    if agent.stuck:  # no answer could come: not another 10 s of waiting
-        raise AgentTimeoutError("stuck in Frida's recovery from a fork()")
-    return _bounded(agent.script.exports_sync.stop, timeout=STOP_TIMEOUT)
+    """Ends the recording in the process of `agent` (its `stop`), or AgentTimeoutError (and
+    the agent may stay loaded: _agent_left_loaded)."""
+    try:
+        if agent.stuck:  # no answer could come: not another 10 s of waiting
+            raise AgentTimeoutError("stuck in Frida's recovery from a fork()")
+        return _bounded(agent.script.exports_sync.stop, timeout=STOP_TIMEOUT)
+    except AgentTimeoutError:
+        _agent_left_loaded.set()
+        raise
 
 
 def _release_forks(agent: _Agent) -> None:
@@ -457,7 +462,6 @@ def _stop_and_detach(
             result.warnings.append(_unloading_later(f"pid {pid}", asleep))
             return True
     except AgentTimeoutError:
-        _agent_left_loaded.set()
         result.warnings.append(_stuck_agent(f"pid {pid}", agent))
         rec.orphaned.add(pid)  # its rings were never closed
         result.detached = True  # left as it is: not ended, as the summary said
@@ -1737,7 +1741,6 @@ class _ForkFollower:
                 try:
                     stopped = _stop_agent(agent)
                 except AgentTimeoutError:
-                    _agent_left_loaded.set()
                     self.rec._error(_stuck_agent(what, agent))
                     return
                 asleep = _let_go_asleep(thread_id(key), agent, stopped.get("asleep", []))
