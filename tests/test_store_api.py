@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import struct
 import subprocess
@@ -572,3 +574,41 @@ def test_a_thread_end_is_the_thread_exit_record_after_which_nothing_ran():
     # a negative status, as exit(-1) passes it
     minus = record_words(RecordType.THREAD_EXIT, 7, 1, 0x401000, 0xFFFFFFFF, 60)
     assert thread_end(words(blocks, minus)).status == -1
+
+
+def _resident(path: Path, offset: int, length: int) -> np.ndarray:
+    """Which pages of the file at `path` in [offset, offset + length) are in memory."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        pages = ctypes.create_string_buffer(length // 4096)
+        assert libc.mincore(addr, length, pages) == 0
+        libc.munmap(addr, length)
+    finally:
+        os.close(fd)
+    return np.frombuffer(pages.raw, np.uint8) & 1
+
+
+def test_prefault_reads_in_the_start_of_the_data_area_and_of_the_block_table(tmp_path):
+    # a disk file system, where a writer's first write to a page not in memory waits for it
+    ring = Ring.create(tmp_path / "t.bts", 16 << 20, Mode.WRAP, Flags.TRACE, table_entries=1 << 16)
+    table_offset = ring._get("table_offset")
+    first = HEADER_SIZE // 4096 * 4096
+    assert not _resident(ring.path, first + 4096, 1 << 20).any()  # fallocate reads nothing in
+    ring.prefault(1 << 20, 64 << 10)
+    assert _resident(ring.path, 0, HEADER_SIZE + (1 << 20)).all()
+    start = table_offset // 4096 * 4096
+    assert _resident(ring.path, start, table_offset + (64 << 10) - start).all()
+    ring.close()

@@ -710,6 +710,10 @@ def _writer_done(ring: Ring) -> bool:
 
 #: where the rings made ahead for the next thread wait (hidden: no thread's store)
 _SPARE_RING = ".spare{}.bts"
+#: what of a new ring is read in before its thread gets it (Ring.prefault): the agent maps
+#: further pages in as the thread comes near them (populate_ahead in stalker_agent.c)
+_PREFAULT_DATA = 1 << 20
+_PREFAULT_TABLE = 256 << 10
 
 
 def _discard(ring: Ring) -> None:
@@ -891,17 +895,18 @@ class _Recording:
         return path
 
     def _new_ring(self, path: Path, tid: int) -> Ring:
-        return Ring.create(
+        ring = Ring.create(
             path,
             self.options.buffer_size,
             self.options.mode,
             _FLAGS[self.options.mode],
             tid=tid,
             chunk_size=CHUNK,
-            populate=True,
             table_entries=self.options.block_table or _table_entries(self.options.buffer_size),
             meta_size=META_LOG,
         )
+        ring.prefault(_PREFAULT_DATA, _PREFAULT_TABLE)
+        return ring
 
     def _take_spare(self, path: Path, tid: int) -> Ring | None:
         with self.lock:
