@@ -1131,6 +1131,39 @@ def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, program
     assert 20 < calls < rounds - 20  # about 0.5 s of a 2 ms loop
 
 
+def test_attached_from_another_directory_a_relative_output_is_the_tools(tmp_path, programs, spin):
+    # the program's directory is not the tool's: its threads open their rings all the same
+    res = subprocess.run(
+        [*BT, "record", "-o", "d", "-p", str(spin.pid), "--duration", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0 and "cannot open" not in res.stderr, res.stderr
+    rounds = finished(spin)
+    trace = TraceDir.open(tmp_path / "d")
+    calls = sum(calls_to(trace, t, programs["spin"], "f") for t in trace.threads())
+    assert 20 < calls < rounds - 20
+
+
+def test_a_program_that_changes_directory_has_its_threads_traced(tmp_path, programs):
+    exe = programs["chdir_thread"]
+    res = subprocess.run(
+        [*BT, "record", "-o", "d", "--", str(exe), "/"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0 and "cannot open" not in res.stderr, res.stderr
+    assert res.stdout.split() == [str(sum(range(29)))]
+    trace = TraceDir.open(tmp_path / "d")
+    main, worker = trace.threads()
+    assert calls_to(trace, main, exe, "f") == 0
+    assert calls_to(trace, worker, exe, "f") == 29
+
+
 @pytest.mark.parametrize("follow_fork", [False, True], ids=["", "follow-fork"])
 def test_attached_to_a_program_with_a_sigchld_handler_it_is_traced_and_runs_on(
     tmp_path, programs, follow_fork

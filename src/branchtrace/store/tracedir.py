@@ -95,8 +95,9 @@ class TraceDir:
     @classmethod
     def create(cls, path: str | os.PathLike[str]) -> TraceDir:
         """Make `path` an empty trace directory.  An earlier recording there is replaced;
-        a directory holding anything else is refused."""
-        path = Path(path)
+        a directory holding anything else is refused.  The path is made absolute: the
+        traced program opens its rings by it, from a directory of its own."""
+        path = Path(path).absolute()
         if path.exists():
             if not path.is_dir():
                 raise StoreError(
