@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import re
 import resource
 import shlex
@@ -1271,6 +1272,68 @@ def test_a_thread_id_reused_in_a_recording_never_replaces_the_earlier_threads_tr
     with Ring.open(again) as ring_again:
         assert ring_again.tid == 4242
     assert set(rec.finish()) == {4242, thread_key(4242, 1), thread_key(4242, 2)}
+
+
+class _PostedTo:
+    """What the recorder sends an agent (_Recording._hand): the paths of rings handed."""
+
+    def __init__(self, key: int) -> None:
+        self.key, self.spares, self.handed = key, 0, queue.Queue()
+        self.script = self
+
+    def post(self, message: dict) -> None:
+        assert message["type"] == "spare"
+        self.handed.put(Path(message["path"]))
+
+
+def _take(handed: Path, tid: int) -> Path | None:
+    """What a new thread does with a ring handed to it (followNewThread in
+    stalker_agent.js): writes its id, and takes its own name unless that is taken."""
+    with Ring.open(handed, writable=True) as ring:
+        ring._set("tid", tid)
+    own = handed.with_name(f"T{tid}.bts")
+    if own.exists():
+        return None
+    handed.rename(own)
+    return own
+
+
+def test_rings_handed_ahead_are_the_threads_that_take_them_and_the_rest_go(tmp_path):
+    from branchtrace.engines.base import RecordOptions
+    from branchtrace.engines.stalker import SPARES_PER_AGENT, _Recording
+
+    options = RecordOptions(
+        output=tmp_path / "d", mode=Mode.STREAM, buffer_size=1 << 20, compress=False
+    )
+    rec = _Recording(TraceDir.create(options.output), options)
+    agent = _PostedTo(500)
+    rec._top_up(agent)
+    handed = [agent.handed.get(timeout=30) for _ in range(SPARES_PER_AGENT)]
+    assert agent.spares == SPARES_PER_AGENT and len(set(handed)) == SPARES_PER_AGENT
+    # a thread takes one and says so: the recorder drains it as its own, and hands another
+    rec.adopt(agent, 501, str(handed[0]), str(_take(handed[0], 501)))
+    ring, reader, stream_fd = rec.rings[501]
+    assert ring.path == rec.tracedir.ring_path(501) and reader is not None and stream_fd
+    assert rec.thread_pid[501] == 500
+    handed.append(agent.handed.get(timeout=30))
+    # a later thread with the same id finds the name taken: the recorder names it
+    assert _take(handed[1], 501) is None
+    rec.adopt(agent, 501, str(handed[1]), None)
+    assert rec.rings[thread_key(501, 1)][0].path.name == "T501#2.bts"
+    handed.append(agent.handed.get(timeout=30))
+    # one taken by a thread whose word never came (the program died): found at the end
+    _take(handed[2], 503)
+    stats = rec.finish()
+    assert set(stats) == {501, thread_key(501, 1), 503} and stats[503].pid == 500
+    names = sorted(p.name for p in rec.tracedir.path.iterdir())
+    assert names == [
+        "T501#2.bts",
+        "T501#2.stream",
+        "T501.bts",
+        "T501.stream",
+        "T503.bts",
+        "T503.stream",
+    ]
 
 
 @pytest.mark.parametrize("mode", ["stream", "wrap"])

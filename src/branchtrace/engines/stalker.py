@@ -656,6 +656,8 @@ class _Agent:
         self.stuck = False
         #: and Frida's injector holds the process stopped there (_ForkCounters.frozen)
         self.frozen = False
+        #: rings handed to it for its next threads and not yet taken (_Recording._hand)
+        self.spares = 0
 
     def check_ready(self) -> None:
         """The agent set itself up, or the recording of this process cannot start."""
@@ -710,6 +712,8 @@ def _writer_done(ring: Ring) -> bool:
 
 #: where the rings made ahead for the next thread wait (hidden: no thread's store)
 _SPARE_RING = ".spare{}.bts"
+#: rings each agent holds for its next threads (_Recording._top_up), once one has started
+SPARES_PER_AGENT = 2
 #: what of a new ring is read in before its thread gets it (Ring.prefault): the agent maps
 #: further pages in as the thread comes near them (populate_ahead in stalker_agent.c)
 _PREFAULT_DATA = 1 << 20
@@ -778,6 +782,11 @@ class _Recording:
         self._spare: Ring | None = None
         self._spare_wanted = threading.Event()
         self._spare_maker: threading.Thread | None = None
+        #: rings handed to an agent ahead of its next threads, by path (_hand): a thread
+        #: takes one without waiting for an answer from here (followNewThread)
+        self._handed: dict[str, tuple[Ring, RingReader | None, _Agent]] = {}
+        #: agents owed a ring for their next threads, once each per ring (_top_up)
+        self._owed: list[_Agent] = []
         #: a release pass of the drain thread wanted now (_ask_for_release, _make_room),
         #: and how many passes it made
         self._release_asked = threading.Event()
@@ -874,25 +883,117 @@ class _Recording:
         path = self.tracedir.ring_path(key)
         ring = self._take_spare(path, tid) or self._with_room(lambda: self._new_ring(path, tid))
         self._want_a_spare()
-        reader = stream_fd = None
-        if self.options.mode != Mode.WRAP and not self.drain_failed:
-            # the consumer exists before the writer: a full ring always has someone to wait for
-            reader = RingReader(ring, consume=True)
-            stream = self.tracedir.stream_path(key, packed=self.options.compress)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-            try:
-                stream_fd = self._with_room(lambda: os.open(stream, flags, 0o644))
-            except OSError as e:  # a full disk: no ring either, the thread is not traced
-                _discard(ring)
-                raise StoreError(f"cannot create {stream}: {e.strerror}") from e
+        # the consumer exists before the writer: a full ring always has someone to wait for
+        reader = self._consumer(ring)
+        try:
+            stream_fd = self._stream_file(key, reader)
+        except StoreError:  # a full disk: no ring either, the thread is not traced
+            _discard(ring)
+            raise
+        self._register(key, pid, ring, reader, stream_fd)
+        return path
+
+    def _consumer(self, ring: Ring) -> RingReader | None:
+        if self.options.mode == Mode.WRAP or self.drain_failed:
+            return None
+        return RingReader(ring, consume=True)
+
+    def _stream_file(self, key: int, reader: RingReader | None) -> int | None:
+        if reader is None:
+            return None
+        stream = self.tracedir.stream_path(key, packed=self.options.compress)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        try:
+            return self._with_room(lambda: os.open(stream, flags, 0o644))
+        except OSError as e:
+            raise StoreError(f"cannot create {stream}: {e.strerror}") from e
+
+    def _register(
+        self, key: int, pid: int, ring: Ring, reader: RingReader | None, stream_fd: int | None
+    ) -> None:
         with self.lock:
             self.rings[key] = (ring, reader, stream_fd)
             self.thread_pid[key] = pid
-            self.live_key[tid] = key
+            self.live_key[thread_id(key)] = key
         if self.options.sched:
             self._watch_switches(key)
         self._ask_for_release()
-        return path
+
+    def adopt(self, agent: _Agent, tid: int, handed: str, named: str | None) -> None:
+        """Thread `tid` of `agent` took the ring handed to it at `handed` and renamed it
+        `named` (None: that name was taken, by a thread of an earlier generation of the id:
+        it is named here)."""
+        with self.lock:
+            entry = self._handed.pop(handed, None)
+            if entry is None:
+                return  # finish() found it taken first (_adopt_the_taken)
+            agent.spares -= 1
+        ring, reader, _ = entry
+        self._adopt(agent, tid, ring, reader, Path(named or handed))
+        self._top_up(agent)
+
+    def _adopt(
+        self, agent: _Agent, tid: int, ring: Ring, reader: RingReader | None, at: Path
+    ) -> None:
+        with self.lock:
+            earlier = self.ids_seen.get(tid, 0)
+            self.ids_seen[tid] = earlier + 1
+        key = thread_key(tid, earlier)
+        path = self.tracedir.ring_path(key)
+        if at != path:
+            try:
+                os.rename(at, path)
+            except OSError as e:
+                self._error(f"thread {thread_label(key)}: its ring stays at {at}: {e.strerror}")
+                path = at
+        ring.path = path
+        ring._set("created_ns", time.time_ns())
+        try:
+            stream_fd = self._stream_file(key, reader)
+        except StoreError as e:
+            # the thread runs on: once its ring is full, what it does is counted as lost
+            if reader is not None:
+                reader.close()
+            reader, stream_fd = None, None
+            self._error(f"thread {thread_label(key)}: only its first records are kept: {e}")
+        self._register(key, agent.key, ring, reader, stream_fd)
+
+    def _top_up(self, agent: _Agent) -> None:
+        """Hand `agent` rings for its next threads, up to SPARES_PER_AGENT.  Not with
+        --sched: a thread's context switches are watched before it runs, which the host
+        does as the thread waits for its ring."""
+        if self.options.sched:
+            return
+        with self.lock:
+            if self._done.is_set():
+                return
+            owed = SPARES_PER_AGENT - agent.spares - self._owed.count(agent)
+            self._owed.extend([agent] * owed)
+        if owed > 0:
+            self._want_a_spare()
+
+    def _hand(self, agent: _Agent, spare: Ring) -> None:
+        reader = self._consumer(spare)
+        with self.lock:
+            if self._done.is_set():
+                handed = False
+            else:
+                handed = True
+                self._handed[str(spare.path)] = (spare, reader, agent)
+                agent.spares += 1
+        if handed:
+            try:
+                agent.script.post({"type": "spare", "path": str(spare.path)})
+                return
+            except (frida.InvalidOperationError, frida.TransportError):  # its process is gone
+                with self.lock:
+                    handed = self._handed.pop(str(spare.path), None) is not None
+                    agent.spares -= 1
+                if not handed:
+                    return
+        if reader is not None:
+            reader.close()
+        _discard(spare)
 
     def _new_ring(self, path: Path, tid: int) -> Ring:
         ring = Ring.create(
@@ -934,14 +1035,19 @@ class _Recording:
             self._spare_maker.start()
 
     def _keep_a_spare(self) -> None:
+        """Make the spare ring, then the rings owed to agents (_top_up), as they are wanted."""
         for made in itertools.count():
-            self._spare_wanted.wait()
-            self._spare_wanted.clear()
-            if self._done.is_set():
-                return
             with self.lock:
-                if self._spare is not None:
-                    continue
+                if self._done.is_set():
+                    return
+                agent = None
+                if self._spare is not None and self._owed:
+                    agent = self._owed.pop(0)
+                idle = self._spare is not None and agent is None
+            if idle:
+                self._spare_wanted.wait()
+                self._spare_wanted.clear()
+                continue
             # Each at a path of its own.  Made at the path of the spare a thread had just
             # taken, and not yet renamed to its ring's, it replaced that file: the thread's
             # ring became the new one's file and the host's ring object the old, unlinked
@@ -951,8 +1057,14 @@ class _Recording:
                 spare = self._new_ring(self.tracedir.path / _SPARE_RING.format(made), 0)
             except (BranchtraceError, OSError) as e:
                 if _out_of_files(e):
-                    continue  # the next thread makes room (_make_room) and wants another
+                    # the next thread makes room (_make_room) and wants another
+                    self._spare_wanted.wait()
+                    self._spare_wanted.clear()
+                    continue
                 return  # a full disk: each thread's ring is made as it starts, and fails there
+            if agent is not None:
+                self._hand(agent, spare)
+                continue
             with self.lock:
                 if not self._done.is_set():
                     self._spare = spare
@@ -967,8 +1079,20 @@ class _Recording:
             self._spare_maker.join()
         with self.lock:
             spare, self._spare = self._spare, None
+            handed, self._handed = self._handed, {}
+            self._owed.clear()
         if spare is not None:
             _discard(spare)
+        for path, (ring, reader, agent) in handed.items():
+            if ring.tid != 0:  # taken by a thread (the agent wrote its id) no message named
+                at = Path(path)
+                if not at.exists():
+                    at = self.tracedir.ring_path(ring.tid)
+                self._adopt(agent, ring.tid, ring, reader, at)
+                continue
+            if reader is not None:
+                reader.close()
+            _discard(ring)
 
     def traced_anything(self) -> bool:
         """Whether any thread has written to its ring (before `finish`)."""
@@ -1001,6 +1125,8 @@ class _Recording:
         kind = payload.get("type")
         if kind == "ready":
             agent.ready.set()
+        elif kind == "thread-start" and payload.get("handed"):
+            self.adopt(agent, int(payload["tid"]), payload["handed"], payload.get("named"))
         elif kind == "thread-start":
             tid = int(payload["tid"])
             try:
@@ -1011,6 +1137,7 @@ class _Recording:
                 self._error(f"thread {tid} not traced: {e}{more}")
                 reply = {"type": f"ring:{tid}", "path": None}
             agent.script.post(reply)
+            self._top_up(agent)
         elif kind == "module":
             event = ModuleEvent(
                 payload["event"],
