@@ -1321,10 +1321,19 @@ def test_rings_handed_ahead_are_the_threads_that_take_them_and_the_rest_go(tmp_p
     rec.adopt(agent, 501, str(handed[1]), None)
     assert rec.rings[thread_key(501, 1)][0].path.name == "T501#2.bts"
     handed.append(agent.handed.get(timeout=30))
+    # a child's process ends: what was handed to it goes, what was handed to others stays
+    child = _PostedTo(600)
+    rec._top_up(child)
+    theirs = [child.handed.get(timeout=30) for _ in range(SPARES_PER_AGENT)]
+    _take(theirs[0], 601)
+    rec.take_back(child)
+    assert not theirs[1].exists() and rec.rings[601][0].path == rec.tracedir.ring_path(601)
+    assert handed[2].exists()
     # one taken by a thread whose word never came (the program died): found at the end
     _take(handed[2], 503)
     stats = rec.finish()
-    assert set(stats) == {501, thread_key(501, 1), 503} and stats[503].pid == 500
+    assert set(stats) == {501, thread_key(501, 1), 503, 601} and stats[503].pid == 500
+    assert stats[601].pid == 600
     names = sorted(p.name for p in rec.tracedir.path.iterdir())
     assert names == [
         "T501#2.bts",
@@ -1333,7 +1342,26 @@ def test_rings_handed_ahead_are_the_threads_that_take_them_and_the_rest_go(tmp_p
         "T501.stream",
         "T503.bts",
         "T503.stream",
+        "T601.bts",
+        "T601.stream",
     ]
+
+
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_follow_fork_the_threads_of_each_child_are_traced_exactly(tmp_path, programs, mode):
+    # a child's threads after its first take rings handed to it ahead, which go with it
+    exe = programs["forkthreads"]
+    res = record(tmp_path / "d", "--follow-fork", "--", str(exe), "4", mode=mode)
+    assert res.returncode == 0 and res.stdout == "done\n", res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    meta = trace.meta()
+    children = sorted(int(pid) for pid in meta["processes"])
+    assert len(children) == 4
+    for child in children:
+        threads = [t for t in trace.threads() if meta["threads"][str(t)]["pid"] == child]
+        counts = sorted(calls_to(trace, t, exe, "f") for t in threads)
+        assert counts == [0, 5, 6, 7], (child, counts)
+    assert not [p.name for p in (tmp_path / "d").iterdir() if p.name.startswith(".spare")]
 
 
 @pytest.mark.parametrize("mode", ["stream", "wrap"])

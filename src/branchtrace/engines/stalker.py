@@ -1079,16 +1079,25 @@ class _Recording:
             self._spare_maker.join()
         with self.lock:
             spare, self._spare = self._spare, None
-            handed, self._handed = self._handed, {}
-            self._owed.clear()
         if spare is not None:
             _discard(spare)
-        for path, (ring, reader, agent) in handed.items():
-            if ring.tid != 0:  # taken by a thread (the agent wrote its id) no message named
+        self.take_back()
+
+    def take_back(self, agent: _Agent | None = None) -> None:
+        """The rings handed to `agent` (None: to any), whose process is gone or done: those
+        no thread took go; one a thread took (it wrote its id in it) and no message named
+        is that thread's."""
+        with self.lock:
+            handed = {p: e for p, e in self._handed.items() if agent in (None, e[2])}
+            for path in handed:
+                del self._handed[path]
+            self._owed = [a for a in self._owed if agent not in (None, a)]
+        for path, (ring, reader, owner) in handed.items():
+            if ring.tid != 0:
                 at = Path(path)
                 if not at.exists():
                     at = self.tracedir.ring_path(ring.tid)
-                self._adopt(agent, ring.tid, ring, reader, at)
+                self._adopt(owner, ring.tid, ring, reader, at)
                 continue
             if reader is not None:
                 reader.close()
@@ -1655,6 +1664,9 @@ class _ForkFollower:
         return key in self.ended or self._status(key, 0) is not None
 
     def _on_detached(self, key: int, reason: str) -> None:
+        _, agent = self.children.get(key, (None, None))
+        if agent is not None:  # a child that started threads holds rings for more
+            self.rec.take_back(agent)
         if reason == "process-replaced":
             self.replaced.add(key)
         ours = reason == "application-requested" and key in self._let_go_of
