@@ -926,7 +926,7 @@ class _Recording:
         with self.lock:
             entry = self._handed.pop(handed, None)
             if entry is None:
-                return  # finish() found it taken first (_adopt_the_taken)
+                return  # take_back() found it taken first
             agent.spares -= 1
         ring, reader, _ = entry
         self._adopt(agent, tid, ring, reader, Path(named or handed))

@@ -297,7 +297,6 @@ static uint64_t scratch_slots(BtThread *t) {
   return (WP(t) - SLOT_LEAD - (uint64_t)t->scratch) / 4;
 }
 
-/* Point wp at a claimed chunk (or the scratch chunk when drop mode must drop). */
 /* The ring's pages are not mapped in as it is opened: on the disk filesystem DIR is
    usually on, MAP_POPULATE maps a shared file's pages read-only, so each page took a fault
    at its first write all the same, and mapping 18 MiB that way cost each new thread 2 ms
@@ -323,6 +322,7 @@ static void populate_ahead(BtThread *t) {
     t->populated += len;
 }
 
+/* Point wp at a claimed chunk (or the scratch chunk when drop mode must drop). */
 static void refill(BtThread *t) {
   int ok;
   if (t->closed) {

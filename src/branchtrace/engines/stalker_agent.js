@@ -427,7 +427,6 @@ function askForRing(tid) {
   let reply = null;
   recv(`ring:${tid}`, (m) => { reply = m; }).wait();
   Stalker.garbageCollect(); // see takeSpare
-
   if (reply.path) {
     follow(tid, reply.path);
   }
