@@ -371,15 +371,14 @@ class Ring:
         areas = [(0, HEADER_SIZE + min(data_bytes, self.data_size))]
         if self.table_size:
             areas.append((self._get("table_offset"), min(table_bytes, self.table_size)))
-        self._mm.madvise(mmap.MADV_RANDOM)
-        try:
-            for start, length in areas:
-                offset = start // mmap.PAGESIZE * mmap.PAGESIZE
-                self._mm.madvise(_MADV_POPULATE_READ, offset, start + length - offset)
-        except OSError:
-            pass
-        finally:
-            self._mm.madvise(mmap.MADV_NORMAL)
+        with contextlib.suppress(OSError):
+            self._mm.madvise(mmap.MADV_RANDOM)
+            try:
+                for start, length in areas:
+                    offset = start // mmap.PAGESIZE * mmap.PAGESIZE
+                    self._mm.madvise(_MADV_POPULATE_READ, offset, start + length - offset)
+            finally:
+                self._mm.madvise(mmap.MADV_NORMAL)
 
     def writer_alive(self) -> bool:
         """True while some process holds the writer lock."""
