@@ -2057,8 +2057,7 @@ class StalkerEngine:
         session.on("detached", on_detached)
         start = "main" if init is None else "_init (before its constructors and main)"
         events.started(
-            f"recording {argv[0]} (pid {pid}) from {start} with {_how(options, rec)}; "
-            "Ctrl-C to stop"
+            f"recording {argv[0]} (pid {pid}) from {start} with {_how(options)}; Ctrl-C to stop"
         )
         rec.start_draining()
         exited, status = _watch_child(pid)
@@ -2082,7 +2081,7 @@ class StalkerEngine:
         )
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-        result = RecordResult(rec.tracedir.path, pid)
+        result = RecordResult(options.output, pid)
         if dropped:
             rec.orphaned.add(pid)
             result.warnings.append(_dropped_warning(f"{argv[0]} (pid {pid})", dropped[0]))
@@ -2276,8 +2275,7 @@ class StalkerEngine:
             # once the threads are followed: from this line on, what the program does is traced
             threads = f"{len(tids)} thread{'s' if len(tids) != 1 else ''}"
             events.started(
-                f"recording pid {pid} ({threads}) with {_how(options, rec)}; "
-                "Ctrl-C to stop and detach"
+                f"recording pid {pid} ({threads}) with {_how(options)}; Ctrl-C to stop and detach"
             )
         deadline = None if options.duration is None else time.monotonic() + options.duration
         next_check = 0.0
@@ -2293,7 +2291,7 @@ class StalkerEngine:
                     break  # it never runs again (_stuck_agent says so)
                 next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
-        result = RecordResult(rec.tracedir.path, pid)
+        result = RecordResult(options.output, pid)
         if forks is not None:
             result.processes = forks.close()
             if forks.held_up():
@@ -2611,12 +2609,12 @@ def _watch_child(pid: int) -> tuple[threading.Event, list[os.waitid_result]]:
     return exited, status
 
 
-def _how(options: RecordOptions, rec: _Recording) -> str:
+def _how(options: RecordOptions) -> str:
     return (
         f"the stalker engine, {options.mode.name.lower()} mode, "
         f"{_human(options.buffer_size)} per thread"
         + (", following forks and execs" if options.follow_fork else "")
-        + f", into {rec.tracedir.path}"
+        + f", into {options.output}"
     )
 
 

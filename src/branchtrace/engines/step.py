@@ -163,9 +163,9 @@ class StepEngine:
             f"recording {target.argv[0]} (pid {pid}) from {'main' if init is None else '_init'} "
             "with the step engine "
             f"(ptrace single-step: exact, slow), {options.mode.name.lower()} mode, "
-            f"into {tracedir.path}; Ctrl-C to stop"
+            f"into {options.output}; Ctrl-C to stop"
         )
-        result = RecordResult(tracedir.path, pid)
+        result = RecordResult(options.output, pid)
         try:
             session.run_to(session.runtime_address(start, pie))
             status = session.step_all()
