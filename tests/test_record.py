@@ -1148,6 +1148,14 @@ def test_attached_from_another_directory_a_relative_output_is_the_tools(tmp_path
     assert 20 < calls < rounds - 20
 
 
+def test_a_thread_whose_ring_cannot_be_opened_is_named_with_the_reason(tmp_path, programs):
+    # the program has no file descriptor left for its new thread's ring: it runs on untraced
+    res = record(tmp_path / "d", "--", str(programs["fdfull"]))
+    assert res.returncode == 0 and res.stdout == f"ok {sum(range(7))}\n", res.stderr
+    (why,) = [w for w in warnings_in(res.stderr) if "cannot open its ring" in w]
+    assert "not traced" in why and why.endswith(": Too many open files"), why
+
+
 def test_a_program_that_changes_directory_has_its_threads_traced(tmp_path, programs):
     exe = programs["chdir_thread"]
     res = subprocess.run(

@@ -134,6 +134,7 @@ extern int getpid(void);
 extern int clock_gettime(int clock, long *ts);
 extern void *memset(void *s, int c, unsigned long n);
 extern unsigned long strlen(const char *s);
+extern int *__errno_location(void);
 #define BT_IC_ENTRIES INLINE_CACHE
 struct bt_flock { short l_type; short l_whence; long l_start; long l_len; int l_pid; };
 static void bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns) {

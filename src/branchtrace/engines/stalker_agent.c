@@ -505,10 +505,13 @@ static void give_back_slot(BtThread *t) {
 
 static int open_ring(BtThread *t, const char *path, uint32_t tid);
 
-/* Map the store at `path` for thread `tid` and take the writer lock.  0, or -errno. */
+#define BT_NO_SLOT 100000 /* bt_thread_open(): more threads at once than slots */
+
+/* Map the store at `path` for thread `tid` and take the writer lock.  0, -errno, or
+   -BT_NO_SLOT. */
 int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
   if (!take_slot(t, tid))
-    return -24; /* EMFILE: more threads at once than slots */
+    return -BT_NO_SLOT;
   int rc = open_ring(t, path, tid);
   if (rc != 0)
     give_back_slot(t);
@@ -518,7 +521,7 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
 static int open_ring(BtThread *t, const char *path, uint32_t tid) {
   int fd = open(path, 2 /* O_RDWR */ | 02000000 /* O_CLOEXEC */);
   if (fd < 0)
-    return -1;
+    return *__errno_location() > 0 ? -*__errno_location() : -5 /* EIO */;
   struct bt_flock lk = {1 /* F_WRLCK */, 0 /* SEEK_SET */, 0, 1, 0};
   if (fcntl(fd, 37 /* F_OFD_SETLK */, &lk) != 0) {
     close(fd);

@@ -210,7 +210,7 @@ const cm = new CModule(PARAMS.cSource, {
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
   syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),
-  strlen: libc('strlen'), sigaction: libc('sigaction'),
+  strlen: libc('strlen'), sigaction: libc('sigaction'), __errno_location: libc('__errno_location'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
 // A fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, abort()) names the program's instruction in the
@@ -353,11 +353,13 @@ const threads = new Map(); // tid -> BtThread* of the last thread with that id
 let farOfEarlier = 0; // blocks not traced by threads whose id a later thread got
 let tracing = false;
 
+const strerror = new NativeFunction(libc('strerror'), 'pointer', ['int']);
 function openRing(tid, path) {
   const t = threadAlloc();
   const rc = threadOpen(t, Memory.allocUtf8String(path), tid);
   if (rc !== 0) {
-    send({ type: 'error', tid, message: `cannot open the ring ${path} (error ${rc})` });
+    const why = rc === -100000 ? 'more than 4096 threads at once' : strerror(-rc).readUtf8String();
+    send({ type: 'error', tid, message: `thread ${tid} not traced: cannot open its ring ${path}: ${why}` });
     return null;
   }
   const earlier = threads.get(tid);
@@ -408,17 +410,18 @@ function renameNoReplace(from, to) {
 function followNewThread() {
   const tid = Process.getCurrentThreadId();
   const handed = spares.shift();
-  if (handed !== undefined) {
-    const t = openRing(tid, handed);
-    if (t !== null) {
-      const own = handed.slice(0, handed.lastIndexOf('/') + 1) + `T${tid}.bts`;
-      const named = renameNoReplace(handed, own) ? own : null;
-      send({ type: 'thread-start', tid, handed, named });
-      Stalker.follow(tid, { transform: cm.transform, data: t });
-      return;
-    }
+  if (handed === undefined) {
+    askForRing(tid);
+    return;
   }
-  askForRing(tid);
+  const t = openRing(tid, handed);
+  if (t === null) {
+    return; // said why; the recorder takes the ring back at the end
+  }
+  const own = handed.slice(0, handed.lastIndexOf('/') + 1) + `T${tid}.bts`;
+  const named = renameNoReplace(handed, own) ? own : null;
+  send({ type: 'thread-start', tid, handed, named });
+  Stalker.follow(tid, { transform: cm.transform, data: t });
 }
 
 // Without a ring handed ahead the thread asks the host for one, waiting for the answer.
