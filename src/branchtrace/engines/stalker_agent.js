@@ -210,7 +210,8 @@ const cm = new CModule(PARAMS.cSource, {
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
   syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),
-  strlen: libc('strlen'), sigaction: libc('sigaction'), __errno_location: libc('__errno_location'),
+  strlen: libc('strlen'), sigaction: libc('sigaction'),
+  __errno_location: libc('__errno_location'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
 // A fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, abort()) names the program's instruction in the
@@ -359,7 +360,8 @@ function openRing(tid, path) {
   const rc = threadOpen(t, Memory.allocUtf8String(path), tid);
   if (rc !== 0) {
     const why = rc === -100000 ? 'more than 4096 threads at once' : strerror(-rc).readUtf8String();
-    send({ type: 'error', tid, message: `thread ${tid} not traced: cannot open its ring ${path}: ${why}` });
+    const message = `thread ${tid} not traced: cannot open its ring ${path}: ${why}`;
+    send({ type: 'error', tid, message });
     return null;
   }
   const earlier = threads.get(tid);
