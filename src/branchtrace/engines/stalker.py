@@ -877,10 +877,7 @@ class _Recording:
         """A ring for thread `tid` of process `pid`, and its drain.  A thread that got the
         id of an earlier thread of the recording (ids wrap at pid_max) is stored under a key
         of its own (tracedir.thread_key): the earlier one's trace is never replaced."""
-        with self.lock:
-            earlier = self.ids_seen.get(tid, 0)
-            self.ids_seen[tid] = earlier + 1
-        key = thread_key(tid, earlier)
+        key = self._new_key(tid)
         path = self.tracedir.ring_path(key)
         ring = self._take_spare(path, tid) or self._with_room(lambda: self._new_ring(path, tid))
         self._want_a_spare()
@@ -893,6 +890,13 @@ class _Recording:
             raise
         self._register(key, pid, ring, reader, stream_fd)
         return path
+
+    def _new_key(self, tid: int) -> int:
+        """The key of a new thread with id `tid` (the id of an earlier one: a key of its own)."""
+        with self.lock:
+            earlier = self.ids_seen.get(tid, 0)
+            self.ids_seen[tid] = earlier + 1
+        return thread_key(tid, earlier)
 
     def _consumer(self, ring: Ring) -> RingReader | None:
         if self.options.mode == Mode.WRAP or self.drain_failed:
@@ -936,10 +940,7 @@ class _Recording:
     def _adopt(
         self, agent: _Agent, tid: int, ring: Ring, reader: RingReader | None, at: Path
     ) -> None:
-        with self.lock:
-            earlier = self.ids_seen.get(tid, 0)
-            self.ids_seen[tid] = earlier + 1
-        key = thread_key(tid, earlier)
+        key = self._new_key(tid)
         path = self.tracedir.ring_path(key)
         if at != path:
             try:
@@ -975,23 +976,23 @@ class _Recording:
 
     def _hand(self, agent: _Agent, spare: Ring) -> None:
         reader = self._consumer(spare)
+        path = str(spare.path)
         with self.lock:
-            if self._done.is_set():
-                handed = False
-            else:
-                handed = True
-                self._handed[str(spare.path)] = (spare, reader, agent)
+            kept = not self._done.is_set()
+            if kept:
+                self._handed[path] = (spare, reader, agent)
                 agent.spares += 1
-        if handed:
+        if kept:
             try:
-                agent.script.post({"type": "spare", "path": str(spare.path)})
+                agent.script.post({"type": "spare", "path": path})
                 return
             except (frida.InvalidOperationError, frida.TransportError):  # its process is gone
                 with self.lock:
-                    handed = self._handed.pop(str(spare.path), None) is not None
-                    agent.spares -= 1
-                if not handed:
-                    return
+                    kept = self._handed.pop(path, None) is not None
+                    if kept:
+                        agent.spares -= 1
+                if not kept:
+                    return  # take_back() has it
         if reader is not None:
             reader.close()
         _discard(spare)
@@ -1090,8 +1091,9 @@ class _Recording:
         is that thread's."""
         with self.lock:
             handed = {p: e for p, e in self._handed.items() if agent in (None, e[2])}
-            for path in handed:
+            for path, (_, _, owner) in handed.items():
                 del self._handed[path]
+                owner.spares -= 1
             self._owed = [a for a in self._owed if agent not in (None, a)]
         for path, (ring, reader, owner) in handed.items():
             if ring.tid != 0:

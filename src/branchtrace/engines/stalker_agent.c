@@ -521,7 +521,7 @@ int bt_thread_open(BtThread *t, const char *path, uint32_t tid) {
 static int open_ring(BtThread *t, const char *path, uint32_t tid) {
   int fd = open(path, 2 /* O_RDWR */ | 02000000 /* O_CLOEXEC */);
   if (fd < 0)
-    return *__errno_location() > 0 ? -*__errno_location() : -5 /* EIO */;
+    return -*__errno_location();
   struct bt_flock lk = {1 /* F_WRLCK */, 0 /* SEEK_SET */, 0, 1, 0};
   if (fcntl(fd, 37 /* F_OFD_SETLK */, &lk) != 0) {
     close(fd);
