@@ -1285,11 +1285,44 @@ static void on_close(GumCpuContext *cpu, gpointer user_data) {
 /* Signal handlers: the kernel enters them natively, outside Stalker's code cache, so their
    branches are not recorded.  Each handler the program installs gets an entry hook that
    marks the gap in the interrupted thread's trace; it is never silent. */
-extern void bt_new_handler(void *handler);
+extern int bt_new_handler(void *handler);
+static int read_safely(const void *addr, void *out, uint64_t n);
+uint64_t bt_fault_restorer(void);
+
+/* Frida writes a hook into the code at the end of its outermost transaction, which another
+   thread may hold open: a script scope begins one before it waits for the script's lock,
+   so the agent's thread, about to run JavaScript for a message, holds one while a program
+   thread's callout runs the script.  A hook placed from a program thread can so be missing
+   from the code as the callout returns, while it is about to be run: a handler that moved
+   the pc went on untraced for good (110 of 400 threads, each faulting once while others
+   started).  Such a hook is waited for, up to 2 s, until the code's first bytes change. */
+static void await_hook(uint64_t code, const uint8_t *was) {
+  for (int round = 0; round < 20000; round++) {
+    uint8_t now[5];
+    if (!read_safely((const void *)code, now, 5))
+      return;
+    int same = 1;
+    for (int k = 0; k < 5; k++)
+      same &= now[k] == was[k];
+    if (!same)
+      return;
+    long pause[2] = {0, 100000};
+    syscall(35 /* nanosleep */, pause, NULL);
+  }
+}
 
 static void note_handler(void *handler) {
-  if ((uint64_t)handler > 1 /* not SIG_DFL or SIG_IGN */ && !in_forked_child())
-    bt_new_handler(handler);
+  if ((uint64_t)handler <= 1 /* SIG_DFL or SIG_IGN */ || in_forked_child())
+    return;
+  uint8_t was[5], restorer_was[5];
+  uint64_t restorer = bt_fault_restorer();
+  int seen = read_safely(handler, was, 5);
+  int restorer_seen = restorer != 0 && read_safely((const void *)restorer, restorer_was, 5);
+  int hooked = bt_new_handler(handler); /* 1: the handler's entry, 2: the restorer */
+  if ((hooked & 1) && seen)
+    await_hook((uint64_t)handler, was);
+  if ((hooked & 2) && restorer_seen)
+    await_hook(restorer, restorer_was);
 }
 
 static void note_program_action(int sig, void *handler, uint64_t flags, uint64_t mask);
@@ -1318,8 +1351,6 @@ void bt_on_sigaction(GumInvocationContext *ic) { /* sigaction(sig, act, old) */
   note_program_action((int)(uint64_t)gum_invocation_context_get_nth_argument(ic, 0),
                       *(void **)act, *(uint32_t *)(act + 136), *(uint64_t *)(act + 8));
 }
-
-static int read_safely(const void *addr, void *out, uint64_t n);
 
 /* A handler entered in the middle of a record sequence (a timer signal can land anywhere),
    after its read of `wp` and before its write of it, must not write into the ring then: the
@@ -1394,8 +1425,12 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
   if (depth < 1 || depth > BT_HANDLER_DEPTH || t->handler_uc[depth - 1] != uc ||
       *rip == t->handler_pc[depth - 1] || t->closed || is_frida_code(*rip))
     return;
-  if (t->refollow == NULL)
+  if (t->refollow == NULL) {
     t->refollow = bt_new_refollow();
+    static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
+    if (t->refollow != NULL)
+      await_hook((uint64_t)t->refollow, nops); /* it is run at once */
+  }
   if (t->refollow != NULL) {
     *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
     *rip = (uint64_t)t->refollow;

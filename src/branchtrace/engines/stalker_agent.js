@@ -146,16 +146,21 @@ const followAgain = new NativeCallback(() => {
   }
 }, 'void', []);
 const hookedHandlers = new Set();
+// What it hooked (note_handler in stalker_agent.c waits for those hooks to be in the code):
+// 1 the handler, 2 the restorer too.
 const newHandler = new NativeCallback((handler) => {
   const key = handler.toString();
-  if (!hookedHandlers.has(key)) {
-    if (hookedHandlers.size === 0) {
-      hookHandlerExits();
-    }
-    hookedHandlers.add(key);
-    attach(handler, cm.bt_on_handler_entry);
+  if (hookedHandlers.has(key)) {
+    return 0;
   }
-}, 'void', ['pointer']);
+  const first = hookedHandlers.size === 0;
+  if (first) {
+    hookHandlerExits();
+  }
+  hookedHandlers.add(key);
+  attach(handler, cm.bt_on_handler_entry);
+  return first ? 3 : 1;
+}, 'int', ['pointer']);
 // A handler left by a jump rather than a return (bt_on_longjmp in stalker_agent.c): hooked
 // once the program sets a handler, as each hook costs every thread a stop by Gum at the end
 // (letGoOfAll).
