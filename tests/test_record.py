@@ -1168,12 +1168,30 @@ def test_attached_from_another_directory_a_relative_output_is_the_tools(tmp_path
     assert 20 < calls < rounds - 20
 
 
-def test_a_thread_whose_ring_cannot_be_opened_is_named_with_the_reason(tmp_path, programs):
-    # the program has no file descriptor left for its new thread's ring: it runs on untraced
-    res = record(tmp_path / "d", "--", str(programs["fdfull"]))
+@pytest.mark.parametrize("mode", ["wrap", "stream"])
+def test_a_thread_whose_ring_cannot_be_opened_is_named_with_the_reason(tmp_path, programs, mode):
+    # the program has no file descriptor left for its new thread's ring: it runs on untraced,
+    # named so, and is not counted among the traced threads (it was, with 0 records)
+    res = record(tmp_path / "d", "--mode", mode, "--", str(programs["fdfull"]))
     assert res.returncode == 0 and res.stdout == f"ok {sum(range(7))}\n", res.stderr
     (why,) = [w for w in warnings_in(res.stderr) if "cannot open its ring" in w]
-    assert "not traced" in why and why.endswith(": Too many open files"), why
+    trace = TraceDir.open(tmp_path / "d")
+    pid = trace.meta()["pid"]
+    ((untraced,),) = [trace.meta()["untraced_threads"]]
+    tid = untraced["tid"]
+    ring = tmp_path / "d" / f"T{tid}.bts"
+    assert why == (
+        f"branchtrace: warning: thread {tid} not traced: cannot open its ring {ring}: "
+        "Too many open files"
+    )
+    assert untraced == {
+        "pid": pid,
+        "tid": tid,
+        "start": "cannot open its ring: Too many open files",
+    }
+    assert "; 1 thread (1 more not traced), " in res.stderr, res.stderr
+    assert trace.threads() == [pid] and list(trace.meta()["threads"]) == [str(pid)]
+    assert not list((tmp_path / "d").glob(f"T{tid}*")), "its ring and stream are gone"
 
 
 def test_a_program_that_changes_directory_has_its_threads_traced(tmp_path, programs):

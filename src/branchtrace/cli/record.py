@@ -156,9 +156,10 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
         if images:
             processes += f"{images} exec'ed program image{'s' if images != 1 else ''}, "
     switches = sum(t.switches for t in result.threads.values())
+    untraced = f" ({result.untraced} more not traced)" if result.untraced else ""
     err.print(
         f"branchtrace: {_ending(what, result.exit_code, result.signal, result.detached)}; "
-        f"{processes}{n} thread{'s' if n != 1 else ''}, "
+        f"{processes}{n} thread{'s' if n != 1 else ''}{untraced}, "
         f"{result.records:,} records, {result.lost:,} lost"
         + (f", {switches:,} context switches" if sched else "")
         + f" -> {result.output}",

@@ -78,6 +78,7 @@ class RecordResult:
     snapshots: list[Path] = field(default_factory=list)  #: --trigger snapshot directories
     #: --follow-fork: how each traced child ended: ppid, exit_code / signal / detached, exec
     processes: dict[int, dict[str, object]] = field(default_factory=dict)
+    untraced: int = 0  #: threads seen and not traced (meta.json's untraced_threads)
 
     @property
     def records(self) -> int:

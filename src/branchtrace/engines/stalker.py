@@ -791,6 +791,8 @@ class _Recording:
         #: a release pass of the drain thread wanted now (_ask_for_release, _make_room),
         #: and how many passes it made
         self._release_asked = threading.Event()
+        #: threads that could not open the ring made for them (_not_opened)
+        self._not_opened_keys: set[int] = set()
         self._release_passes = 0
         self._released = threading.Condition()
         self._file_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -1147,6 +1149,10 @@ class _Recording:
             except BranchtraceError as e:
                 more = f" ({_MORE_FILES})" if _out_of_files(e) else ""
                 self._error(f"thread {tid} not traced: {e}{more}")
+                with self.lock:
+                    self.untraced_threads.append(
+                        {"pid": agent.pid, "tid": tid, "start": f"no ring: {e}"}
+                    )
                 reply = {"type": f"ring:{tid}", "path": None}
             agent.script.post(reply)
             self._top_up(agent)
@@ -1173,10 +1179,52 @@ class _Recording:
                 self.snapshot(trigger, self.live_key.get(tid, tid), agent.key)
             finally:
                 agent.script.post({"type": f"snapshot:{tid}"})
+        elif kind == "ring-not-opened":
+            self._not_opened(agent, int(payload["tid"]), Path(payload["path"]), payload["why"])
         elif kind == "error":
             agent.errors.append(str(payload.get("message")))
             self._error(str(payload.get("message")))
             agent.ready.set()
+
+    def _not_opened(self, agent: _Agent, tid: int, path: Path, why: str) -> None:
+        """Thread `tid` of `agent` could not open its ring at `path`: it runs on untraced.
+        A ring made for it here goes (_forget_not_opened): the thread is listed among the
+        untraced, not counted among the traced with 0 records."""
+        shown = Path(self.options.output) / path.name
+        self._error(f"thread {tid} not traced: cannot open its ring {shown}: {why}")
+        with self.lock:
+            self.untraced_threads.append(
+                {"pid": agent.pid, "tid": tid, "start": f"cannot open its ring: {why}"}
+            )
+            key = self.live_key.get(tid)
+            if key is not None and self.rings.get(key, (None,))[0] is not None:
+                ring = self.rings[key][0]
+                if ring.path == path and self.thread_pid.get(key) == agent.key:
+                    self._not_opened_keys.add(key)
+        self._release_asked.set()
+
+    def _forget_not_opened(self) -> None:
+        """The rings that their threads could not open go, unless a writer came after all
+        (one never goes with records in it).  On the drain thread, or once it is done."""
+        with self.lock:
+            keys, self._not_opened_keys = self._not_opened_keys, set()
+        for key in keys:
+            with self.lock:
+                ring, reader, fd = self.rings[key]
+                if ring.writer_state != WriterState.NONE:
+                    continue
+                del self.rings[key], self.thread_pid[key]
+                if self.live_key.get(thread_id(key)) == key:
+                    del self.live_key[thread_id(key)]
+                recorder = self.switches.pop(key, None)
+            if recorder is not None:
+                recorder.close()
+            if reader is not None:
+                reader.close()
+            if fd is not None:
+                os.close(fd)
+                self.tracedir.stream_path(key, packed=self.options.compress).unlink(missing_ok=True)
+            _discard(ring)
 
     def read_notes(self) -> None:
         """What each agent noted for the end (stalker_agent.js): its inline cache's entries
@@ -1323,6 +1371,7 @@ class _Recording:
         forked child that exited, a thread that ended), so that a program that forks often
         needs the disk its children's records take, not a whole ring per child
         (Ring.release_unused).  A stream ring is drained to its end first."""
+        self._forget_not_opened()
         with self.lock:
             rings = [(tid, r) for tid, r in self.rings.items() if tid not in self.released]
         for tid, (ring, reader, fd) in rings:
@@ -1429,6 +1478,7 @@ class _Recording:
         self._drop_spare()
         if self._drainer is not None:
             self._drainer.join()
+        self._forget_not_opened()
         self._drain_once(final=True)
         with self.lock:
             spilled = self.retired_spilled
@@ -1995,6 +2045,7 @@ class StalkerEngine:
                 "the trace starts at main: the executable's _init and constructors had run "
                 "already when the agent was loaded"
             )
+        result.untraced = len(rec.untraced_threads)
         finish_meta(meta, result, rec.untraced_threads)
         meta["inline_cache"] = rec.inline_cache
         meta["traced_from"] = rec.traced_from

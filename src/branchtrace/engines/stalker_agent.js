@@ -365,8 +365,7 @@ function openRing(tid, path) {
   const rc = threadOpen(t, Memory.allocUtf8String(path), tid);
   if (rc !== 0) {
     const why = rc === -100000 ? 'more than 4096 threads at once' : strerror(-rc).readUtf8String();
-    const message = `thread ${tid} not traced: cannot open its ring ${path}: ${why}`;
-    send({ type: 'error', tid, message });
+    send({ type: 'ring-not-opened', tid, path, why });
     return null;
   }
   const earlier = threads.get(tid);
