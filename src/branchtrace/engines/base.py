@@ -78,7 +78,9 @@ class RecordResult:
     snapshots: list[Path] = field(default_factory=list)  #: --trigger snapshot directories
     #: --follow-fork: how each traced child ended: ppid, exit_code / signal / detached, exec
     processes: dict[int, dict[str, object]] = field(default_factory=dict)
-    untraced: int = 0  #: threads seen and not traced (meta.json's untraced_threads)
+    #: the program's threads seen and not traced (in meta.json's untraced_threads, which
+    #: lists Frida's own too)
+    untraced: int = 0
 
     @property
     def records(self) -> int:

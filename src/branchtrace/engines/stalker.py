@@ -753,6 +753,8 @@ class _Recording:
         self.orphaned: set[int] = set()
         #: threads started at code in no module (Frida's own): left alone, listed in meta
         self.untraced_threads: list[dict[str, Any]] = []
+        #: those of them that started at code in no module (Frida's own): not the program's
+        self.threads_at_no_module = 0
         self.snapshots: list[Path] = []  #: --trigger snapshot directories, in order
         #: entries of Stalker's inline cache per indirect branch (stalker_agent.c)
         self.inline_cache: int | None = None
@@ -1242,6 +1244,7 @@ class _Recording:
                 elif event.get("type") == "traced-from" and pid == self.main_key:
                     self.traced_from = str(event["at"])
                 elif event.get("type") == "thread-untraced":
+                    self.threads_at_no_module += 1
                     self.untraced_threads.append(
                         {"pid": pid, "tid": int(event["tid"]), "start": event["routine"]}
                     )
@@ -2045,7 +2048,7 @@ class StalkerEngine:
                 "the trace starts at main: the executable's _init and constructors had run "
                 "already when the agent was loaded"
             )
-        result.untraced = len(rec.untraced_threads)
+        result.untraced = len(rec.untraced_threads) - rec.threads_at_no_module
         finish_meta(meta, result, rec.untraced_threads)
         meta["inline_cache"] = rec.inline_cache
         meta["traced_from"] = rec.traced_from
