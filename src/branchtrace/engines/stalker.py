@@ -751,7 +751,7 @@ class _Recording:
         #: processes that run on after Frida dropped their session: their threads' last
         #: records are taken from the live rings (recovered_head)
         self.orphaned: set[int] = set()
-        #: threads started at code in no module (Frida's own): left alone, listed in meta
+        #: threads seen and not traced, and why (meta.json's untraced_threads)
         self.untraced_threads: list[dict[str, Any]] = []
         #: those of them that started at code in no module (Frida's own): not the program's
         self.threads_at_no_module = 0
@@ -1198,11 +1198,12 @@ class _Recording:
             self.untraced_threads.append(
                 {"pid": agent.pid, "tid": tid, "start": f"cannot open its ring: {why}"}
             )
-            key = self.live_key.get(tid)
-            if key is not None and self.rings.get(key, (None,))[0] is not None:
-                ring = self.rings[key][0]
-                if ring.path == path and self.thread_pid.get(key) == agent.key:
-                    self._not_opened_keys.add(key)
+            # a ring made here on its thread-start message, not a handed one (never
+            # registered: take_back discards it)
+            key = self.live_key.get(tid, -1)
+            entry = self.rings.get(key)
+            if entry is not None and entry[0].path == path and self.thread_pid[key] == agent.key:
+                self._not_opened_keys.add(key)
         self._release_asked.set()
 
     def _forget_not_opened(self) -> None:
