@@ -1177,7 +1177,7 @@ def test_a_thread_whose_ring_cannot_be_opened_is_named_with_the_reason(tmp_path,
     (why,) = [w for w in warnings_in(res.stderr) if "cannot open its ring" in w]
     trace = TraceDir.open(tmp_path / "d")
     pid = trace.meta()["pid"]
-    ((untraced,),) = [trace.meta()["untraced_threads"]]
+    (untraced,) = trace.meta()["untraced_threads"]
     tid = untraced["tid"]
     ring = tmp_path / "d" / f"T{tid}.bts"
     assert why == (
