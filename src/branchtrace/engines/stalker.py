@@ -711,6 +711,16 @@ def _writer_done(ring: Ring) -> bool:
     return state == WriterState.CLOSED or (state == WriterState.ACTIVE and not ring.writer_alive())
 
 
+#: what a hook Frida had not written 2 s after it was placed (await_hook in stalker_agent.c)
+#: cost, by the hook
+_LATE_HOOK = {
+    "refollow": "thread {tid} of pid {pid} ran on untraced after its signal handler moved its "
+    "pc: Frida had not written the hook that follows it again within 2 s",
+    "handler": "a signal handler set by thread {tid} of pid {pid} may have run unmarked (no "
+    "GAP) at first: Frida had not written its hook within 2 s",
+    "restorer": "thread {tid} of pid {pid}: a signal handler that returned at first may have "
+    "left its thread untraced: Frida had not written the hook on the restorer within 2 s",
+}
 #: where the rings made ahead for the next thread wait (hidden: no thread's store)
 _SPARE_RING = ".spare{}.bts"
 #: rings each agent holds for its next threads (_Recording._top_up), once one has started
@@ -1244,6 +1254,8 @@ class _Recording:
                     self.inline_cache = int(event["entries"])
                 elif event.get("type") == "traced-from" and pid == self.main_key:
                     self.traced_from = str(event["at"])
+                elif event.get("type") == "late-hook":
+                    self._error(_LATE_HOOK[str(event["what"])].format(tid=event["tid"], pid=pid))
                 elif event.get("type") == "thread-untraced":
                     self.threads_at_no_module += 1
                     self.untraced_threads.append(

@@ -1295,9 +1295,12 @@ uint64_t bt_fault_restorer(void);
    thread's callout runs the script.  A hook placed from a program thread can so be missing
    from the code as the callout returns, while it is about to be run: a handler that moved
    the pc went on untraced for good (110 of 400 threads, each faulting once while others
-   started).  Such a hook is waited for, up to 2 s, until the code's first bytes change. */
-static void await_hook(uint64_t code, const uint8_t *was) {
-  for (int round = 0; round < 20000; round++) {
+   started).  Such a hook is waited for, up to 2 s, until the code's first bytes change;
+   one still missing then is noted for the host to warn of (note_late_hook). */
+static void note_late_hook(const char *what);
+
+static void await_hook(uint64_t code, const uint8_t *was, const char *what) {
+  for (int round = 0;; round++) {
     uint8_t now[5];
     if (!read_safely((const void *)code, now, 5))
       return;
@@ -1306,9 +1309,12 @@ static void await_hook(uint64_t code, const uint8_t *was) {
       same &= now[k] == was[k];
     if (!same)
       return;
+    if (round == 20000)
+      break;
     long pause[2] = {0, 100000};
     syscall(35 /* nanosleep */, pause, NULL);
   }
+  note_late_hook(what);
 }
 
 static void note_handler(void *handler) {
@@ -1320,9 +1326,9 @@ static void note_handler(void *handler) {
   int restorer_seen = restorer != 0 && read_safely((const void *)restorer, restorer_was, 5);
   int hooked = bt_new_handler(handler); /* 1: the handler's entry, 2: the restorer */
   if ((hooked & 1) && seen)
-    await_hook((uint64_t)handler, was);
+    await_hook((uint64_t)handler, was, "handler");
   if ((hooked & 2) && restorer_seen)
-    await_hook(restorer, restorer_was);
+    await_hook(restorer, restorer_was, "restorer");
 }
 
 static void note_program_action(int sig, void *handler, uint64_t flags, uint64_t mask);
@@ -1429,7 +1435,7 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
     t->refollow = bt_new_refollow();
     static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
     if (t->refollow != NULL)
-      await_hook((uint64_t)t->refollow, nops); /* it is run at once */
+      await_hook((uint64_t)t->refollow, nops, "refollow"); /* it is run at once */
   }
   if (t->refollow != NULL) {
     *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
@@ -1911,6 +1917,29 @@ void bt_note(const char *line) {
     return;
   syscall(1 /* write */, fd, line, strlen(line));
   close(fd);
+}
+
+/* {"type": "late-hook", "tid": N, "what": WHAT} for await_hook(). */
+static void note_late_hook(const char *what) {
+  char line[128] = "{\"type\": \"late-hook\", \"tid\": ";
+  char digits[12];
+  uint32_t tid = (uint32_t)syscall(186 /* gettid */);
+  int n = 0, at = (int)strlen(line);
+  do
+    digits[n++] = (char)('0' + tid % 10);
+  while ((tid /= 10) != 0);
+  while (n > 0)
+    line[at++] = digits[--n];
+  const char *middle = ", \"what\": \"";
+  for (int k = 0; middle[k] != 0; k++)
+    line[at++] = middle[k];
+  for (int k = 0; what[k] != 0 && at < 120; k++)
+    line[at++] = what[k];
+  line[at++] = '"';
+  line[at++] = '}';
+  line[at++] = '\n';
+  line[at] = 0;
+  bt_note(line);
 }
 
 /* Stalker's inline cache for indirect calls, jumps and returns holds 2 targets per site by
