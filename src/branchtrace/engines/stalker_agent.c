@@ -1184,19 +1184,26 @@ static int add_spared(int *kept, int n, int cap, int fd) {
   return n + 1;
 }
 
+/* Write v in decimal at out + at (no stdio here); where the text now ends. */
+static int put_decimal(char *out, int at, uint32_t v) {
+  char digits[12];
+  int n = 0;
+  do
+    digits[n++] = (char)('0' + v % 10);
+  while ((v /= 10) != 0);
+  while (n > 0)
+    out[at++] = digits[--n];
+  return at;
+}
+
 static int still_fridas(const BtSpared *f) {
   uint64_t st[18]; /* struct stat: st_ino at 8 */
   if (syscall(5 /* fstat */, f->fd, st) != 0)
     return 0;
   if (!f->is_eventfd)
     return st[1] == f->id;
-  char path[32] = "/proc/self/fdinfo/", digits[12];
-  int len = 0, at = 18;
-  for (uint32_t v = (uint32_t)f->fd; len == 0 || v > 0; v /= 10)
-    digits[len++] = (char)('0' + v % 10);
-  while (len > 0)
-    path[at++] = digits[--len];
-  path[at] = 0;
+  char path[32] = "/proc/self/fdinfo/";
+  path[put_decimal(path, 18, (uint32_t)f->fd)] = 0;
   int info = open(path, 02000000 /* O_CLOEXEC */);
   if (info < 0)
     return 0;
@@ -1294,8 +1301,8 @@ uint64_t bt_fault_restorer(void);
    so the agent's thread, about to run JavaScript for a message, holds one while a program
    thread's callout runs the script.  A hook placed from a program thread can so be missing
    from the code as the callout returns, while it is about to be run: a handler that moved
-   the pc went on untraced for good (110 of 400 threads, each faulting once while others
-   started).  Such a hook is waited for, up to 2 s, until the code's first bytes change;
+   the pc went on untraced for good (68-110 of 400 threads, each faulting once while
+   others started: skipthreads).  Such a hook is waited for, up to 2 s, until the code's first bytes change;
    one still missing then is noted for the host to warn of (note_late_hook). */
 static void note_late_hook(const char *what);
 
@@ -1922,22 +1929,13 @@ void bt_note(const char *line) {
 /* {"type": "late-hook", "tid": N, "what": WHAT} for await_hook(). */
 static void note_late_hook(const char *what) {
   char line[128] = "{\"type\": \"late-hook\", \"tid\": ";
-  char digits[12];
-  uint32_t tid = (uint32_t)syscall(186 /* gettid */);
-  int n = 0, at = (int)strlen(line);
-  do
-    digits[n++] = (char)('0' + tid % 10);
-  while ((tid /= 10) != 0);
-  while (n > 0)
-    line[at++] = digits[--n];
-  const char *middle = ", \"what\": \"";
-  for (int k = 0; middle[k] != 0; k++)
-    line[at++] = middle[k];
-  for (int k = 0; what[k] != 0 && at < 120; k++)
-    line[at++] = what[k];
-  line[at++] = '"';
-  line[at++] = '}';
-  line[at++] = '\n';
+  int at = put_decimal(line, (int)strlen(line), (uint32_t)syscall(186 /* gettid */));
+  for (const char *p = ", \"what\": \""; *p != 0; p++)
+    line[at++] = *p;
+  for (; *what != 0 && at < 120; what++) /* "refollow", "handler" or "restorer" */
+    line[at++] = *what;
+  for (const char *p = "\"}\n"; *p != 0; p++)
+    line[at++] = *p;
   line[at] = 0;
   bt_note(line);
 }
