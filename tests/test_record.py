@@ -1324,7 +1324,8 @@ class _PostedTo:
     """What the recorder sends an agent (_Recording._hand): the paths of rings handed."""
 
     def __init__(self, key: int) -> None:
-        self.key, self.spares, self.handed = key, 0, queue.Queue()
+        self.pid = self.key = key
+        self.spares, self.handed = 0, queue.Queue()
         self.script = self
 
     def post(self, message: dict) -> None:
@@ -1401,6 +1402,18 @@ def test_rings_handed_ahead_are_the_threads_that_take_them_and_the_rest_go(tmp_p
     rec.take_back(child)
     assert not theirs[1].exists() and rec.rings[601][0].path == rec.tracedir.ring_path(601)
     assert handed[2].exists()
+    # a thread that could not open the one it took (out of descriptors): the ring goes, the
+    # agent is handed another, and the thread is named untraced
+    rec._not_opened(agent, 502, handed[3], "Too many open files")
+    assert not handed[3].exists() and str(handed[3]) not in rec._handed
+    handed.append(agent.handed.get(timeout=30))
+    assert agent.spares == SPARES_PER_AGENT
+    assert rec.errors[-1] == (
+        "thread 502 not traced: cannot open the ring made ahead for it: Too many open files"
+    )
+    assert rec.untraced_threads == [
+        {"pid": 500, "tid": 502, "start": "cannot open its ring: Too many open files"}
+    ]
     # one taken by a thread whose word never came (the program died): found at the end
     _take(handed[2], 503)
     stats = rec.finish()

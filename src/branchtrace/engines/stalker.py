@@ -1202,18 +1202,30 @@ class _Recording:
         """Thread `tid` of `agent` could not open its ring at `path`: it runs on untraced.
         A ring made for it here goes (_forget_not_opened): the thread is listed among the
         untraced, not counted among the traced with 0 records."""
-        shown = Path(self.options.output) / path.name
-        self._error(f"thread {tid} not traced: cannot open its ring {shown}: {why}")
         with self.lock:
             self.untraced_threads.append(
                 {"pid": agent.pid, "tid": tid, "start": f"cannot open its ring: {why}"}
             )
-            # a ring made here on its thread-start message, not a handed one (never
-            # registered: take_back discards it)
+            handed = self._handed.pop(str(path), None)
+            if handed is not None:
+                agent.spares -= 1
+            # else a ring made here on its thread-start message
             key = self.live_key.get(tid, -1)
             entry = self.rings.get(key)
             if entry is not None and entry[0].path == path and self.thread_pid[key] == agent.key:
                 self._not_opened_keys.add(key)
+        ring = (
+            "the ring made ahead for it"
+            if handed is not None
+            else f"its ring {Path(self.options.output) / path.name}"
+        )
+        self._error(f"thread {tid} not traced: cannot open {ring}: {why}")
+        if handed is not None:
+            spare, reader, _ = handed
+            if reader is not None:
+                reader.close()
+            _discard(spare)
+            self._top_up(agent)
         self._release_asked.set()
 
     def _forget_not_opened(self) -> None:
