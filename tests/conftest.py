@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -127,3 +128,39 @@ def in_process(argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(
         [sys.executable, "-m", "branchtrace.cli.main", *argv], code, out.getvalue(), err.getvalue()
     )
+
+
+def recorded_burst(
+    out: Path, burst: Path, n: int, *options: str, drain_held: bool
+) -> subprocess.CompletedProcess[str]:
+    """`branchtrace record -o OUT OPTIONS -- burst N`.  With `drain_held` the recorder is
+    stopped from before the burst until after it, so nothing drains the ring meanwhile: a
+    drop-mode ring smaller than the burst loses records however fast the machine is (a
+    drain left running kept up with fib(26) in a 512K ring on CI)."""
+    argv = ["record", "-o", str(out), *options, "--", str(burst), str(n)]
+    tool = subprocess.Popen(
+        [sys.executable, "-m", "branchtrace.cli.main", *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    held = False
+    try:
+        ready = tool.stdout.readline()
+        assert ready == "ready\n", (ready, tool.stderr.read() if not ready else "")
+        if drain_held:
+            os.kill(tool.pid, signal.SIGSTOP)
+            held = True
+        tool.stdin.write("\n")
+        tool.stdin.flush()
+        done = tool.stdout.readline()
+        assert done.startswith("done "), done
+    except BaseException:
+        tool.kill()
+        raise
+    finally:
+        if held:
+            os.kill(tool.pid, signal.SIGCONT)
+    stdout, stderr = tool.communicate("\n", timeout=300)
+    return subprocess.CompletedProcess(tool.args, tool.returncode, ready + done + stdout, stderr)

@@ -22,7 +22,7 @@ from typing import Any
 import frida
 import numpy as np
 import pytest
-from conftest import in_process
+from conftest import in_process, recorded_burst
 
 import branchtrace
 from branchtrace.cli.signals import setting_on
@@ -271,7 +271,7 @@ def test_blocks_compiled_after_the_block_table_filled_are_still_exact(tmp_path, 
 
 
 def test_drop_mode_counts_every_block_it_drops(tmp_path, programs):
-    """A ring too small for the drain to keep up with: the blocks kept and the blocks
+    """A ring nothing drains during a burst bigger than it: the blocks kept and the blocks
     counted as lost add up to the blocks a stream recording of the same run holds."""
 
     def blocks(out: Path) -> tuple[int, int]:
@@ -283,9 +283,11 @@ def test_drop_mode_counts_every_block_it_drops(tmp_path, programs):
             "lost"
         ]
 
-    argv = ["--buffer-size", "512K", "--", str(programs["fib"]), "30"]
-    assert record(tmp_path / "s", *argv).returncode == 0
-    assert record(tmp_path / "d", *argv, mode="drop").returncode == 0
+    for out, mode in (("s", "stream"), ("d", "drop")):
+        options = ("--mode", mode, "--buffer-size", "512K")
+        held = mode == "drop"
+        res = recorded_burst(tmp_path / out, programs["burst"], 26, *options, drain_held=held)
+        assert res.returncode == 0, res.stderr
     (every, none), (kept, lost) = blocks(tmp_path / "s"), blocks(tmp_path / "d")
     assert none == 0 and lost > 0
     assert kept + lost == every

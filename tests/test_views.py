@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import in_process
+from conftest import in_process, recorded_burst
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -325,9 +325,12 @@ def test_views_mark_where_fork_ran_untraced(tmp_path, programs):
 
 
 def test_views_mark_where_records_were_lost_and_how_many(tmp_path, programs):
-    # drop mode, a ring the drain cannot keep up with: every loss shows where it happened,
+    # drop mode, a ring nothing drains during a burst: every loss shows where it happened,
     # and the losses shown add up to the count the store keeps
-    out = recorded(tmp_path, programs["fib"], "26", mode="drop", buffer_size="512K")
+    out = tmp_path / "burst"
+    options = ("--mode", "drop", "--buffer-size", "512K")
+    res = recorded_burst(out, programs["burst"], 26, *options, drain_held=True)
+    assert res.returncode == 0, res.stderr
     t = branchtrace.open(out)
     (tid,) = t.threads
     lost = t.meta["threads"][str(tid)]["lost"]
