@@ -1242,6 +1242,28 @@ def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs
     assert calls_to(trace, tid, programs["fork"], "f") == 3
     assert trace.meta()["threads"][str(tid)]["gaps"] == {"fork": 1}
     assert_counts_are_the_records(trace)
+    assert re.fullmatch(
+        rf"branchtrace: warning: {re.escape(str(programs['fork']))} forked a child process "
+        r"\(pid \d+\), not traced: --follow-fork traces children too",
+        "\n".join(warnings_in(res.stderr)),
+    ), res.stderr
+
+
+def test_attached_the_children_the_program_forks_meanwhile_are_named_untraced(tmp_path, programs):
+    # from the kernel's reports of the program's forks: a user sees that the trace leaves
+    # out what its children did, and how to have it
+    rounds, forkloop = 3, programs["forkloop"]
+    with attach_target(forkloop, rounds, 1000, -1, stdin=subprocess.PIPE) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, "wrap")
+        assert target.wait(timeout=30) == 0 and target.stdout.read().split() == [str(rounds)]
+    assert status == 0, err
+    assert re.fullmatch(
+        rf"branchtrace: warning: pid {target.pid} forked 3 child processes \(pids \d+, \d+, "
+        r"\d+\), not traced: --follow-fork traces children too",
+        "\n".join(warnings_in(err)),
+    ), err
+    (tid,) = TraceDir.open(tmp_path / "d").threads()
+    assert TraceDir.open(tmp_path / "d").meta()["threads"][str(tid)]["gaps"] == {"fork": rounds}
 
 
 def test_a_fork_run_untraced_returns_in_the_call_history(tmp_path, programs):
@@ -2090,10 +2112,19 @@ def test_the_program_is_traced_on_through_a_childs_exec_and_its_own_failed_exec(
     )
     status = 3 if how in ("system", "popen") else 0
     assert res.returncode == 0 and res.stdout == f"child {status} sum 6\n", res.stderr
-    assert warnings_in(res.stderr) == [], res.stderr
     trace = TraceDir.open(tmp_path / "d")
     meta = trace.meta()
     pid = meta["pid"]
+    if follow_fork or how == "failexec":
+        assert warnings_in(res.stderr) == [], res.stderr
+    else:  # the kernel's reports name the child, and what it exec'ed
+        (warning,) = warnings_in(res.stderr)
+        ran = "sh" if how in ("system", "popen") else "true"
+        assert re.fullmatch(
+            rf"branchtrace: warning: {re.escape(str(spawn))} forked a child process \(pid "
+            rf"\d+, which ran {ran}\), not traced: --follow-fork traces children too",
+            warning,
+        ), warning
     assert calls_to(trace, pid, spawn, "after") == 3
     assert calls_to(trace, pid, spawn, "in_child") == 0
     with Ring.open(trace.ring_path(pid)) as ring:
@@ -2141,7 +2172,17 @@ def test_closing_every_fd_leaves_frida_its_own(tmp_path, programs, how, who, fol
         timeout=60,
     )
     assert res.returncode == 0 and res.stdout == "sum 4950 child 7\n", res.stderr
-    assert warnings_in(res.stderr) == [], res.stderr
+    # the children, not followed: one works, and with `child` another execs
+    forked = {
+        "child": r"2 child processes \(pids \d+, \d+; they ran true\)",
+        "program": r"a child process \(pid \d+\)",
+    }[who]
+    untraced = rf"branchtrace: warning: {re.escape(str(closefds))} forked {forked}, not traced: "
+    said = "\n".join(warnings_in(res.stderr))
+    if follow_fork:
+        assert said == "", res.stderr
+    else:
+        assert re.fullmatch(untraced + "--follow-fork traces children too", said), res.stderr
     trace = TraceDir.open(tmp_path / "d")
     pid = trace.meta()["pid"]
     assert calls_to(trace, pid, closefds, "work") == 100

@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 import threading
+from pathlib import Path
 
 _NETLINK_CONNECTOR = 11
 _CN_IDX_PROC = 1
@@ -40,6 +41,10 @@ class ExitWatcher:
         self._exits: dict[int, list[tuple[int, int]]] = {}  #: pid -> [(time, status)]
         self._born: dict[int, int] = {}  #: pid -> when the process that has it now forked
         self.execs: dict[int, list[int]] = {}  #: pids that called exec -> when
+        #: parent pid -> [(when, child pid)]: the processes each process forked
+        self._children: dict[int, list[tuple[int, int]]] = {}
+        self._parent: dict[int, int] = {}  #: child pid -> its parent's
+        self.names: dict[int, str] = {}  #: a forked child that called exec -> its comm
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
         try:
@@ -78,12 +83,18 @@ class ExitWatcher:
                     break
                 what, _cpu, when = struct.unpack_from("IIQ", data, event)
                 if what == _PROC_EVENT_FORK:
-                    pid, tgid = struct.unpack_from("II", data, event + 24)
+                    parent, pid, tgid = struct.unpack_from("III", data, event + 20)
                     if pid == tgid:  # a process, not a thread
                         with self._cond:
                             self._born[pid] = when
+                            self._parent[pid] = parent
+                            self._children.setdefault(parent, []).append((when, pid))
                 elif what == _PROC_EVENT_EXEC:
                     pid, tgid = struct.unpack_from("II", data, event + 16)
+                    if tgid in self._parent:  # what it runs now, while it still runs
+                        with contextlib.suppress(OSError):
+                            comm = Path(f"/proc/{tgid}/comm").read_text().strip()
+                            self.names[tgid] = comm
                     with self._cond:
                         execs = self.execs.setdefault(tgid, [])
                         execs.append(when)
@@ -119,6 +130,14 @@ class ExitWatcher:
             end = self._exit(pid, since)
             until = end[0] if end is not None else 1 << 64
             return any(since <= when < until for when in self.execs.get(pid, ()))
+
+    def children(self, pid: int, since: int = 0, until: int = 1 << 64) -> list[int]:
+        """The processes that the process which had `pid` at `since` forked from then until
+        `until` or its exit, oldest first (times as time.monotonic_ns())."""
+        with self._cond:
+            end = self._exit(pid, since)
+            until = min(until, end[0]) if end is not None else until
+            return [child for when, child in self._children.get(pid, ()) if since <= when < until]
 
     def _exit(self, pid: int, since: int) -> tuple[int, int] | None:
         return next((e for e in self._exits.get(pid, ()) if e[0] >= since), None)

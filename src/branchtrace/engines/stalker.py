@@ -2161,6 +2161,7 @@ class StalkerEngine:
             status,
             lambda: forks is not None and pid in forks.frozen(),
         )
+        traced_until = time.monotonic_ns()  # not Frida's helpers, should it detach (let go)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         result = RecordResult(options.output, pid)
@@ -2199,6 +2200,9 @@ class StalkerEngine:
         # once it has the exit status it knows of any exec
         running = result.detached and not exited.is_set()
         wait_status = watcher.status(pid, timeout=2) if watcher.available and not running else None
+        if forks is None:
+            children = watcher.children(pid, until=traced_until)
+            result.warnings += _untraced_children(argv[0], children, watcher.names)
         watcher.close()
         if replaced.is_set() or pid in watcher.execs:
             result.execd = True
@@ -2361,6 +2365,9 @@ class StalkerEngine:
             )
         deadline = None if options.duration is None else time.monotonic() + options.duration
         next_check = 0.0
+        # Frida's injector forks helpers off the program as it attaches and detaches: only
+        # the program's own children, forked in between, are named untraced
+        traced_since = time.monotonic_ns()
         while not stop.is_set() and not (gone.is_set() and not _image_traced(forks, pid, why_gone)):
             now = time.monotonic()
             if deadline is not None and now > deadline:
@@ -2373,6 +2380,7 @@ class StalkerEngine:
                     break  # it never runs again (_stuck_agent says so)
                 next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
+        traced_until = time.monotonic_ns()
         result = RecordResult(options.output, pid)
         if forks is not None:
             result.processes = forks.close()
@@ -2396,6 +2404,9 @@ class StalkerEngine:
         # an agent that stays, or cannot leave a frozen program, is not waited for
         at_risk = under_frida.settle(timeout=0.2 if agent_stays or agent.frozen else 2.0)
         result.warnings += _forks_under_frida_warnings(pid, under_frida, at_risk)
+        if forks is None:
+            children = watcher.children(pid, traced_since, traced_until)
+            result.warnings += _untraced_children(f"pid {pid}", children, watcher.names)
         result.threads = rec.finish()
         return result
 
@@ -2507,6 +2518,22 @@ def _children_exec_warning(pids: list[int], processes: dict[int, dict[str, Any]]
         f"{who} not traced (a child's trace ends at its exec; record the new program by "
         "itself to trace it)"
     )
+
+
+def _untraced_children(what: str, children: list[int], ran: dict[int, str]) -> list[str]:
+    """Without --follow-fork: the warning that the processes `what` forked (`children`, in
+    the kernel's reports) ran untraced, naming what they exec'ed (`ran`)."""
+    if not children:
+        return []
+    n = len(children)
+    listed = ", ".join(map(str, children[:5])) + (", ..." if n > 5 else "")
+    images = sorted({ran[c] for c in children if c in ran})
+    programs = ", ".join(images[:6]) + (", ..." if len(images) > 6 else "")
+    if n == 1:
+        who = f"a child process (pid {listed}{f', which ran {programs}' if images else ''})"
+    else:
+        who = f"{n} child processes (pids {listed}{f'; they ran {programs}' if images else ''})"
+    return [f"{what} forked {who}, not traced: --follow-fork traces children too"]
 
 
 def _dropped_warning(what: str, reason: str) -> str:
