@@ -41,10 +41,10 @@ class ExitWatcher:
         self._exits: dict[int, list[tuple[int, int]]] = {}  #: pid -> [(time, status)]
         self._born: dict[int, int] = {}  #: pid -> when the process that has it now forked
         self.execs: dict[int, list[int]] = {}  #: pids that called exec -> when
-        #: parent pid -> [(when, child pid)]: the processes each process forked
+        #: parent pid (watch_children) -> [(when, child pid)]: the processes it forked
         self._children: dict[int, list[tuple[int, int]]] = {}
-        self._parent: dict[int, int] = {}  #: child pid -> its parent's
-        self.names: dict[int, str] = {}  #: a forked child that called exec -> its comm
+        self._kept: set[int] = set()  #: the children in _children
+        self.names: dict[int, str] = {}  #: one of them that called exec -> its name then
         self._cond = threading.Condition()
         self._sock: socket.socket | None = None
         try:
@@ -87,13 +87,14 @@ class ExitWatcher:
                     if pid == tgid:  # a process, not a thread
                         with self._cond:
                             self._born[pid] = when
-                            self._parent[pid] = parent
-                            self._children.setdefault(parent, []).append((when, pid))
+                            if parent in self._children:
+                                self._children[parent].append((when, pid))
+                                self._kept.add(pid)
                 elif what == _PROC_EVENT_EXEC:
                     pid, tgid = struct.unpack_from("II", data, event + 16)
-                    if tgid in self._parent:  # what it runs now, while it still runs
+                    if tgid in self._kept:  # the event has no name: one that ran long has
                         with contextlib.suppress(OSError):
-                            comm = Path(f"/proc/{tgid}/comm").read_text().strip()
+                            comm = Path(f"/proc/{tgid}/comm").read_text().rstrip("\n")
                             self.names[tgid] = comm
                     with self._cond:
                         execs = self.execs.setdefault(tgid, [])
@@ -109,6 +110,7 @@ class ExitWatcher:
                     pid, tgid, code, _sig = struct.unpack_from("IIII", data, event + 16)
                     if pid == tgid:
                         with self._cond:
+                            self._kept.discard(pid)  # its pid may go to another process
                             exits = self._exits.setdefault(pid, [])
                             exits.append((when, code))
                             del exits[:-_EXITS_KEPT]
@@ -131,9 +133,15 @@ class ExitWatcher:
             until = end[0] if end is not None else 1 << 64
             return any(since <= when < until for when in self.execs.get(pid, ()))
 
+    def watch_children(self, pid: int) -> None:
+        """Keep the processes `pid` forks from now on, for children()."""
+        with self._cond:
+            self._children.setdefault(pid, [])
+
     def children(self, pid: int, since: int = 0, until: int = 1 << 64) -> list[int]:
         """The processes that the process which had `pid` at `since` forked from then until
-        `until` or its exit, oldest first (times as time.monotonic_ns())."""
+        `until` or its exit, oldest first (times as time.monotonic_ns()), of those kept
+        since watch_children(pid)."""
         with self._cond:
             end = self._exit(pid, since)
             until = min(until, end[0]) if end is not None else until

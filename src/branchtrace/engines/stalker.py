@@ -2151,6 +2151,7 @@ class StalkerEngine:
             # not started yet, so no fork() is under way (_forks_held says why)
             _bounded(agent.script.exports_sync.fork_done_last)
         deadline = None if options.duration is None else time.monotonic() + options.duration
+        watcher.watch_children(pid)
         device.resume(pid)
         ending = self._wait_child(
             pid,
@@ -2282,6 +2283,7 @@ class StalkerEngine:
         except OSError:
             pass
         rec.tracedir.write_meta(meta)
+        watcher.watch_children(pid)
         under_frida = ForksUnderFrida(pid)
         gone = threading.Event()
         why_gone: list[str] = []
@@ -2357,6 +2359,9 @@ class StalkerEngine:
                 "started; the process may be left stuck",
                 hint="try again",
             ) from None
+        # Frida's injector forks helpers off the program as it attaches and detaches: only
+        # the program's own children, forked in between, are named untraced
+        traced_since = time.monotonic_ns()
         if not gone.is_set():
             # once the threads are followed: from this line on, what the program does is traced
             threads = f"{len(tids)} thread{'s' if len(tids) != 1 else ''}"
@@ -2365,9 +2370,6 @@ class StalkerEngine:
             )
         deadline = None if options.duration is None else time.monotonic() + options.duration
         next_check = 0.0
-        # Frida's injector forks helpers off the program as it attaches and detaches: only
-        # the program's own children, forked in between, are named untraced
-        traced_since = time.monotonic_ns()
         while not stop.is_set() and not (gone.is_set() and not _image_traced(forks, pid, why_gone)):
             now = time.monotonic()
             if deadline is not None and now > deadline:
