@@ -23,6 +23,8 @@ import frida
 import numpy as np
 import pytest
 from conftest import in_process, recorded_burst
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import branchtrace
 from branchtrace.cli.signals import setting_on
@@ -1945,15 +1947,75 @@ def test_non_executable_non_elf_and_unwritable_output(tmp_path):
     plain.chmod(0o644)
     res = record(tmp_path / "d", "--", str(plain))
     assert res.returncode == 10 and "not executable" in res.stderr
-    script = tmp_path / "script.sh"
-    script.write_text("#!/bin/sh\necho hi\n")
-    script.chmod(0o755)
-    res = record(tmp_path / "d", "--", str(script))
+    plain.chmod(0o755)
+    res = record(tmp_path / "d", "--", str(plain))
     assert res.returncode == 10 and "not an ELF executable" in res.stderr
     blocker = tmp_path / "file"
     blocker.write_text("")
     res = record(blocker / "d", "--", "/bin/true")
     assert res.returncode == 3 and "cannot write" in res.stderr
+
+
+def script(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def printed_args(command: list[str] | tuple[str, ...], **kw) -> list[str]:
+    out = subprocess.run(command, capture_output=True, check=True, **kw).stdout
+    return out.decode().split("\0")[:-1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    before=st.sampled_from(["", " ", "\t", " \t "]),
+    after=st.sampled_from(["", " ", "\t", "  "]),
+    arg=st.text(alphabet=" \tab-=", max_size=10),
+    args=st.lists(st.text(alphabet="ab c", max_size=4), max_size=3),
+)
+def test_a_scripts_command_line_is_the_one_the_kernel_runs(
+    tmp_path_factory, programs, before, after, arg, args
+):
+    # the kernel as the oracle: its interpreter, then at most one argument (the rest of
+    # the #! line, blanks around it dropped), then the script's path and its arguments
+    interpreter = str(programs["printargs"])
+    rest = after + arg if after or not arg else " " + arg
+    path = script(tmp_path_factory.mktemp("script") / "s", f"#!{before}{interpreter}{rest}\n")
+    command = stalker.script_command((str(path), *args))
+    assert printed_args(command) == printed_args([str(path), *args])
+
+
+def test_a_script_is_recorded_as_its_interpreter_runs_it(tmp_path, programs):
+    # `#!/usr/bin/env NAME` runs NAME from PATH: the trace is of it, not of env (which would
+    # exec it untraced); a script run by a script is run as the kernel would, nested
+    outer = script(tmp_path / "outer", f"#!{tmp_path / 'inner'} -x\n")
+    script(tmp_path / "inner", "#!/usr/bin/env loop23\n")
+    path = f"{programs['loop23'].parent}:{os.environ['PATH']}"
+    res = record(tmp_path / "d", "--", str(outer), "a b", env={**os.environ, "PATH": path})
+    assert res.returncode == 0 and res.stdout.strip() == str(sum(range(23))), res.stderr
+    runs = f"{programs['loop23']} {tmp_path / 'inner'} -x {tmp_path / 'outer'} 'a b'"
+    assert f"branchtrace: {outer} is a script: recording its interpreter, {runs}\n" in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert trace.meta()["argv"] == [str(programs["loop23"]), *shlex.split(runs)[1:]]
+    assert calls_to(trace, trace.meta()["pid"], programs["loop23"], "f") == 23
+
+
+def test_a_script_whose_interpreter_cannot_run_is_refused_in_one_line(tmp_path):
+    cases = {
+        "#!\n": "its #! line names no interpreter",
+        "#!/nonexistent/sh -e\n": (
+            "/nonexistent/sh, the interpreter its #! line names: no such file"
+        ),
+        "#!/usr/bin/env no-such-interpreter\n": (
+            "no-such-interpreter, the interpreter its #! line names, is not on PATH"
+        ),
+    }
+    for text, said in cases.items():
+        path = script(tmp_path / "s", text)
+        res = record(tmp_path / "d", "--", str(path))
+        assert res.returncode == 10 and res.stderr.startswith(f"branchtrace: error: {path}: {said}")
+        assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
 
 
 def test_a_statically_linked_program_is_refused_in_one_line_and_the_step_engine_traces_it(

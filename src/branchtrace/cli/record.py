@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from rich.console import Console
 from ..engines import RecordOptions, RecordResult, Target
 from ..engines.base import Trigger
 from ..engines.forkwindow import proc_stat
-from ..engines.stalker import StalkerEngine, resolve_program
+from ..engines.stalker import StalkerEngine, resolve_program, script_command
 from ..errors import InvalidArgumentError, UsageError
 from ..store import Mode, parse_size
 from ..store.tracedir import thread_label
@@ -291,6 +292,8 @@ def record(
             "give a program to run (after --) or -p PID, not both",
             hint="branchtrace record -- ./prog args, or branchtrace record -p 1234",
         )
+    script = command
+    command = script_command(command) if command else command
     resolved = _triggers(triggers, command, pid, mode, engine)
     try:
         size = parse_size(buffer_size)
@@ -312,6 +315,12 @@ def record(
         _supervise()
     supervisor = None if supervisor_pid is None else int(supervisor_pid)
     stop, let_go = threading.Event(), threading.Event()
+    if command != script:
+        err.print(
+            f"branchtrace: {script[0]} is a script: recording its interpreter, "
+            + shlex.join(command),
+            markup=False,
+        )
     target = Target(argv=command, pid=pid)
     # supervised, a hang-up (the terminal's, or passed on) stops the recording too: dying of
     # it would leave the program to Frida's abort at its next fork()

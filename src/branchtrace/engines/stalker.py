@@ -189,6 +189,46 @@ def resolve_program(name: str) -> Path:
     return path.resolve()
 
 
+#: the kernel's limits on a script's `#!` line and on nested interpreters (binfmt_script)
+_SHEBANG_LINE = 256
+_SHEBANG_DEPTH = 4
+_SHEBANG = re.compile(rb"#![ \t]*([^ \t\n]*)[ \t]*([^\n]*?)[ \t]*(?:\n|$)")
+
+
+def script_command(argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The command line the kernel runs for `argv`: its interpreter's (`#!INTERPRETER
+    [ARG]`, then the script's path and the arguments) when argv[0] is a script, with
+    `#!/usr/bin/env NAME` run as NAME found on PATH, so that the trace is of the interpreter
+    and not of env (which would exec it, untraced); `argv` itself otherwise."""
+    command = argv
+    for _ in range(_SHEBANG_DEPTH):
+        found = command[0] if "/" in command[0] else shutil.which(command[0])
+        try:
+            with open(found or command[0], "rb") as f:
+                head = f.read(_SHEBANG_LINE)
+        except OSError:
+            return command  # resolve_program says what is wrong with it
+        shebang = _SHEBANG.match(head)
+        if shebang is None or not os.access(found or command[0], os.X_OK):
+            return command
+        interpreter, arg = (part.decode(errors="surrogateescape") for part in shebang.groups())
+        if not interpreter:
+            raise LaunchError(f"{command[0]}: its #! line names no interpreter")
+        if Path(interpreter).name == "env" and arg and not arg.startswith("-") and " " not in arg:
+            on_path = shutil.which(arg)
+            if on_path is None:
+                raise LaunchError(
+                    f"{command[0]}: {arg}, the interpreter its #! line names, is not on PATH"
+                )
+            interpreter, arg = on_path, ""
+        if not Path(interpreter).exists():
+            raise LaunchError(
+                f"{command[0]}: {interpreter}, the interpreter its #! line names: no such file"
+            )
+        command = (interpreter, *([arg] if arg else []), str(found), *command[1:])
+    return command
+
+
 def _traced_by_branchtrace(pid: int) -> tuple[str, list[int]] | None:
     """The trace directory whose rings the process has mapped (the rings are the only
     visible trace of a Frida agent), and the threads of those rings if that recording has
