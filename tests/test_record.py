@@ -1995,7 +1995,7 @@ def test_a_script_is_recorded_as_its_interpreter_runs_it(tmp_path, programs):
     res = record(tmp_path / "d", "--", str(outer), "a b", env={**os.environ, "PATH": path})
     assert res.returncode == 0 and res.stdout.strip() == str(sum(range(23))), res.stderr
     runs = f"{programs['loop23']} {tmp_path / 'inner'} -x {tmp_path / 'outer'} 'a b'"
-    assert f"branchtrace: {outer} is a script: recording its interpreter, {runs}\n" in res.stderr
+    assert f"branchtrace: {outer} is a script: running its interpreter, {runs}\n" in res.stderr
     trace = TraceDir.open(tmp_path / "d")
     assert trace.meta()["argv"] == [str(programs["loop23"]), *shlex.split(runs)[1:]]
     assert calls_to(trace, trace.meta()["pid"], programs["loop23"], "f") == 23

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..engines.base import Target
-from ..engines.stalker import resolve_program
+from ..engines.stalker import resolve_program, script_command
 from ..errors import NoSuchProcessError, PermissionDeniedError, UsageError
 from ..probes.base import Hit, ProbeEngine, ProbeResult, format_value
 from ..probes.hitstore import RING_SIZE as HIT_RING_SIZE
@@ -25,7 +25,7 @@ from ..probes.uprobe import UprobeEngine
 from ..probes.uprobe import available as uprobe_unavailable
 from ..probes.xol import XolEngine
 from . import main as cli_main
-from .record import _ending
+from .record import _ending, say_if_interpreted
 from .signals import setting_on
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -122,6 +122,8 @@ def probe(
             "give a program to run (after --) or -p PID, not both",
             hint="branchtrace probe main -- ./prog, or branchtrace probe f -p 1234",
         )
+    script = command
+    command = script_command(command) if command else command
     program = _program(command, pid)
     resolver = Resolver(program, pid)
     if pattern is not None:
@@ -145,6 +147,7 @@ def probe(
     def started(line: str) -> None:
         err.print(f"branchtrace: {line}" + (f" [{why}]" if why else ""), markup=False)
 
+    say_if_interpreted(script, command)
     stop = threading.Event()
     timer = threading.Timer(duration, stop.set) if duration else None
 

@@ -39,6 +39,15 @@ class _CliEvents:
         err.print(f"branchtrace: warning: {message}", markup=False)
 
 
+def say_if_interpreted(script: tuple[str, ...], command: tuple[str, ...]) -> None:
+    """The line that says `command` (script_command) runs `script` through its interpreter."""
+    if command != script:
+        err.print(
+            f"branchtrace: {script[0]} is a script: running its interpreter, {shlex.join(command)}",
+            markup=False,
+        )
+
+
 def _ending(what: str, exit_code: object, signum: object, detached: object) -> str:
     if isinstance(signum, int):
         try:
@@ -315,12 +324,7 @@ def record(
         _supervise()
     supervisor = None if supervisor_pid is None else int(supervisor_pid)
     stop, let_go = threading.Event(), threading.Event()
-    if command != script:
-        err.print(
-            f"branchtrace: {script[0]} is a script: recording its interpreter, "
-            + shlex.join(command),
-            markup=False,
-        )
+    say_if_interpreted(script, command)
     target = Target(argv=command, pid=pid)
     # supervised, a hang-up (the terminal's, or passed on) stops the recording too: dying of
     # it would leave the program to Frida's abort at its next fork()

@@ -182,7 +182,7 @@ def resolve_program(name: str) -> Path:
     with open(path, "rb") as f:
         head = f.read(20)
     if head[:4] != b"\x7fELF":
-        hint = "to trace a script, trace its interpreter: branchtrace record -- sh SCRIPT"
+        hint = f"a script without a #! line is run by a shell: branchtrace record -- sh {name}"
         raise LaunchError(f"{name} is not an ELF executable", hint=hint)
     if head[4] != 2 or int.from_bytes(head[18:20], "little") != 62:
         raise LaunchError(f"{name} is not an x86-64 program; branchtrace traces x86-64 only")
