@@ -2010,6 +2010,9 @@ def test_a_script_whose_interpreter_cannot_run_is_refused_in_one_line(tmp_path):
         "#!/usr/bin/env no-such-interpreter\n": (
             "no-such-interpreter, the interpreter its #! line names, is not on PATH"
         ),
+        "#!/bin/sh\r\necho hi\r\n": (
+            "/bin/sh, the interpreter its #! line names: no such file (the line ends in CR LF"
+        ),
     }
     for text, said in cases.items():
         path = script(tmp_path / "s", text)

@@ -222,8 +222,11 @@ def script_command(argv: tuple[str, ...]) -> tuple[str, ...]:
                 )
             interpreter, arg = on_path, ""
         if not Path(interpreter).exists():
+            crlf = (arg or interpreter).endswith("\r")
             raise LaunchError(
-                f"{command[0]}: {interpreter}, the interpreter its #! line names: no such file"
+                f"{command[0]}: {interpreter.rstrip()}, the interpreter its #! line names: no "
+                "such file" + (" (the line ends in CR LF, as on Windows)" if crlf else ""),
+                hint=f"convert its line ends: sed -i 's/\\r$//' {command[0]}" if crlf else None,
             )
         command = (interpreter, *([arg] if arg else []), str(found), *command[1:])
     return command
