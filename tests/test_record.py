@@ -2282,6 +2282,19 @@ def test_closing_every_fd_leaves_frida_its_own(tmp_path, programs, how, who, fol
     assert_counts_are_the_records(trace)
 
 
+@pytest.mark.parametrize("who", ["program", "child"])
+def test_closing_every_fd_when_out_of_them_leaves_frida_its_own(tmp_path, programs, who):
+    # at its fd limit, the agent could not open /proc/self/fdinfo to tell Frida's event fds
+    # from fds the program got after Frida closed them, so it took them for the program's:
+    # close_range() closed them, and Frida's threads span on them while the program waited
+    closefds = programs["closefds"]
+    res = record(tmp_path / "d", "--", str(closefds), who, "close_range", "full", timeout=60)
+    assert res.returncode == 0 and res.stdout == "sum 4950 child 7\n", res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert calls_to(trace, trace.meta()["pid"], closefds, "work") == 100
+    assert_counts_are_the_records(trace)
+
+
 def test_python_running_a_subprocess_is_traced_with_its_child(tmp_path):
     # subprocess closes every fd in the child before its exec (close_fds): that hung for
     # good under --follow-fork (test_closing_every_fd_leaves_frida_its_own)
