@@ -2205,7 +2205,8 @@ class StalkerEngine:
             status,
             lambda: forks is not None and pid in forks.frozen(),
         )
-        traced_until = time.monotonic_ns()  # not Frida's helpers, should it detach (let go)
+        # what forks from here on may be Frida's injector detaching (let go), not the program
+        traced_until = time.monotonic_ns()
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
         result = RecordResult(options.output, pid)
