@@ -123,7 +123,7 @@ def probe(
             hint="branchtrace probe main -- ./prog, or branchtrace probe f -p 1234",
         )
     script = command
-    command = script_command(command) if command else command
+    command = script_command(command)
     program = _program(command, pid)
     resolver = Resolver(program, pid)
     if pattern is not None:

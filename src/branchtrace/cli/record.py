@@ -302,7 +302,7 @@ def record(
             hint="branchtrace record -- ./prog args, or branchtrace record -p 1234",
         )
     script = command
-    command = script_command(command) if command else command
+    command = script_command(command)
     resolved = _triggers(triggers, command, pid, mode, engine)
     try:
         size = parse_size(buffer_size)

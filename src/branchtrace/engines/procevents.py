@@ -92,7 +92,7 @@ class ExitWatcher:
                                 self._kept.add(pid)
                 elif what == _PROC_EVENT_EXEC:
                     pid, tgid = struct.unpack_from("II", data, event + 16)
-                    if tgid in self._kept:  # the event has no name: one that ran long has
+                    if tgid in self._kept:  # no name in the event: read while it still runs
                         with contextlib.suppress(OSError):
                             comm = Path(f"/proc/{tgid}/comm").read_text().rstrip("\n")
                             self.names[tgid] = comm

@@ -199,9 +199,9 @@ def script_command(argv: tuple[str, ...]) -> tuple[str, ...]:
     """The command line the kernel runs for `argv`: its interpreter's (`#!INTERPRETER
     [ARG]`, then the script's path and the arguments) when argv[0] is a script, with
     `#!/usr/bin/env NAME` run as NAME found on PATH, so that the trace is of the interpreter
-    and not of env (which would exec it, untraced); `argv` itself otherwise."""
+    and not of env (which would exec it, untraced); `argv` itself otherwise (or empty)."""
     command = argv
-    for _ in range(_SHEBANG_DEPTH):
+    for _ in range(_SHEBANG_DEPTH if argv else 0):
         found = command[0] if "/" in command[0] else shutil.which(command[0])
         try:
             with open(found or command[0], "rb") as f:

@@ -1197,10 +1197,10 @@ static int put_decimal(char *out, int at, uint32_t v) {
 }
 
 /* Whether f's fd is still that file of Frida's.  Only a fd that is closed, or provably
-   another file, is not: one whose fdinfo cannot be read (no fd left to read it with, say)
-   is spared, since closing a file of Frida's leaves its threads spinning on it for good
-   while the program waits on them (seen once, under load: Frida's 4 event fds closed by
-   the program's close_range, its sockets spared). */
+   another file, is not: one whose fdinfo cannot be read is spared, since closing a file of
+   Frida's leaves its threads spinning on it for good while the program waits on them (a
+   program at its fd limit that closed all its fds hung so: the open() of the fdinfo failed,
+   and its close_range() took Frida's event fds with it). */
 static int still_fridas(const BtSpared *f) {
   uint64_t st[18]; /* struct stat: st_ino at 8 */
   if (syscall(5 /* fstat */, f->fd, st) != 0)
@@ -1307,8 +1307,9 @@ uint64_t bt_fault_restorer(void);
    thread's callout runs the script.  A hook placed from a program thread can so be missing
    from the code as the callout returns, while it is about to be run: a handler that moved
    the pc went on untraced for good (68-110 of 400 threads, each faulting once while
-   others started: skipthreads).  Such a hook is waited for, up to 2 s, until the code's first bytes change;
-   one still missing then is noted for the host to warn of (note_late_hook). */
+   others started: skipthreads).  Such a hook is waited for, up to 2 s, until the code's
+   first bytes change; one still missing then is noted for the host to warn of
+   (note_late_hook). */
 static void note_late_hook(const char *what);
 
 static void await_hook(uint64_t code, const uint8_t *was, const char *what) {
