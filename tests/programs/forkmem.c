@@ -1,6 +1,9 @@
 /* Forks ROUNDS children (200) one after the other, each exiting at once, and prints its
    own virtual size in KiB (VmSize) after the first FIRST (20) and after the last:
-   "vm FIRST KIB", "vm ROUNDS KIB".  What a recorder keeps per fork shows as the difference. */
+   "vm FIRST KIB", "vm ROUNDS KIB".  What a recorder keeps per fork shows as the difference.
+   HOW: "got" (the default) calls fork() as programs do, through the GOT; "pointer" calls
+   the address dlsym() gives, as a program that looked fork() up itself. */
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,8 +25,11 @@ static long vm_kib(void) {
 int main(int argc, char **argv) {
   int rounds = argc > 1 ? atoi(argv[1]) : 200;
   int first = argc > 2 ? atoi(argv[2]) : 20;
+  pid_t (*fork_at)(void) = NULL;
+  if (argc > 3 && strcmp(argv[3], "pointer") == 0)
+    fork_at = (pid_t(*)(void))dlsym(RTLD_DEFAULT, "fork");
   for (int round = 1; round <= rounds; round++) {
-    pid_t child = fork();
+    pid_t child = fork_at != NULL ? fork_at() : fork();
     if (child == 0)
       _exit(0);
     waitpid(child, NULL, 0);

@@ -116,6 +116,7 @@ typedef struct {
   uint64_t fault_resume; /* program's handler, and where in Stalker's copy it goes on */
   uint64_t populated;    /* the head up to which the ring's pages are mapped in ahead */
   uint64_t populate_end; /* (populate_ahead), and where its first lap ends */
+  int fork_kept;         /* in a fork() called through the fork stub (bt_fork_mark) */
 } BtThread;
 
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
@@ -206,6 +207,9 @@ typedef struct {
      keeps it, and calls the handler from its own), by signal as in fault_signals */
   BtSigaction program[BT_FAULT_SIGNALS];
   uint64_t program_known; /* bit i: program[i] holds it */
+  /* the fork stub's slot for bt_fork_mark, and a `ret` of the stub (forkStub in the script) */
+  uint64_t *fork_mark_slot;
+  uint64_t fork_noop;
 } BtState;
 
 extern uint8_t bt_state[];
@@ -951,6 +955,9 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
 
 void bt_on_fork_leave(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0) {
+    /* the child's fork() calls go on through its copy of the fork stub, which must not call
+       into this module: Frida may unload the child's copy of it */
+    *STATE->fork_mark_slot = STATE->fork_noop;
     for (int i = 0; i < STATE->nthreads; i++)
       if (STATE->threads[i] != NULL)
         bt_thread_forget(STATE->threads[i]);
@@ -1033,6 +1040,25 @@ int bt_hold_forks(int hold) {
 }
 
 extern int fork(void);
+
+/* The program's calls of fork() through its GOT go through the fork stub (forkStub in
+   stalker_agent.js), which runs fork() natively as a call Stalker leaves out, so that the
+   thread comes back to the code Stalker compiled for it before.  The stub marks the thread
+   first, for the fork() hook (bt_before_fork): it writes the GAP but does not unfollow it. */
+void bt_fork_mark(void) {
+  if (in_forked_child())
+    return;
+  BtThread *t = current_thread();
+  if (t != NULL)
+    t->fork_kept = 1;
+}
+
+/* Whether the thread came through the fork stub, for the fork() hook, once. */
+int bt_thread_fork_kept(BtThread *t) {
+  int kept = t->fork_kept;
+  t->fork_kept = 0;
+  return kept;
+}
 
 int bt_fork_gate(void) {
   int passing = !in_forked_child(); /* a child runs on with its copy of a patched GOT */

@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 784); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 800); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -83,29 +83,41 @@ function publishCodeMap() {
 }
 const GAP_FORK = 1;
 // Threads inside fork(), which Stalker cannot take a thread through (see stalker_agent.c):
-// unfollowed on the way in, followed again on the way out.  Every fork() of the traced
+// unfollowed on the way in, followed again on the way out, unless they came through the fork
+// stub (forkStub), which runs fork() natively anyway.  Every fork() of the traced
 // process passes here, followed or not, so that a follow asked for meanwhile (attaching
 // while the program forks) waits for the way out instead of following a thread that is
 // about to fork: its child would inherit a stalked thread and die.
 const inFork = new Set();
+const keptInFork = new Set(); // those that came through the stub
+const forkEntry = libc('fork');
 const beforeFork = new NativeCallback(() => {
   const tid = Process.getCurrentThreadId();
   const t = threads.get(tid);
   if (t !== undefined) {
+    const kept = forkKept(t) !== 0;
+    if (kept) {
+      // the block that reached fork() followed would be its first instruction (the hook's
+      // jump): the same record here, so that the trace reads the same either way
+      threadBlock(t, forkEntry);
+      keptInFork.add(tid);
+    }
     threadGap(t, GAP_FORK);
-    Stalker.unfollow();
+    if (!kept) {
+      Stalker.unfollow();
+    }
   }
   inFork.add(tid);
 }, 'void', []);
 const afterFork = new NativeCallback(() => {
   const tid = Process.getCurrentThreadId();
   const t = threads.get(tid);
+  const kept = keptInFork.delete(tid);
   // not after stop(), which closed the rings and let go of the threads meanwhile
-  if (inFork.delete(tid) && tracing && t !== undefined) {
+  if (inFork.delete(tid) && tracing && t !== undefined && !kept) {
     // What Stalker kept for the thread until the unfollow above (its code cache, over a
     // megabyte of mappings) is freed only when asked: else a program grew by 1.3 MB with
-    // each fork() (forkmem: 230 MB over 180), and every later fork() copied all of it
-    // (bash, 500 subshells: 32 s, then 18 s with this).
+    // each fork() (forkmem: 230 MB over 180), and every later fork() copied all of it.
     Stalker.garbageCollect();
     Stalker.follow(tid, { transform: cm.transform, data: t });
   }
@@ -250,6 +262,77 @@ const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint
 const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', 'pointer']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
 const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
+const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
+// A followed thread that calls fork() is unfollowed in its hook and followed again after
+// it (beforeFork), and Stalker then compiles for it anew all the code it runs: a shell, its
+// loop after every subshell (bash, 500 subshells: 18 s, against 0.25 s untraced).  A call
+// to code Stalker leaves out (Stalker.exclude) runs natively and comes back to what Stalker
+// had compiled.  So the program's calls of fork() through its GOT go through this stub:
+// `outer`, followed, calls `inner`, left out, which marks the thread for the hook
+// (bt_fork_mark) and calls fork() (bash: 2.4 s).  In the child, `inner` returns to `outer`
+// itself, not to the parent's compiled code, which the child must never run.  The stub is
+// mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
+// mark's slot points at a `ret`, so nothing comes through it into this script's code once
+// it may be unloaded.
+const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
+  ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
+  3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+const forkStub = forkSlots.add(Process.pageSize);
+const MARK_SLOT = 0;
+const FORK_SLOT = 8;
+forkSlots.add(MARK_SLOT).writePointer(cm.bt_fork_mark);
+forkSlots.add(FORK_SLOT).writePointer(libc('fork'));
+let forkStubNoop = NULL;
+(() => {
+  const w = new X86Writer(forkStub, { pc: forkStub });
+  const callSlot = (offset) => {
+    w.putMovRegAddress('rax', forkSlots.add(offset));
+    w.putMovRegRegPtr('rax', 'rax');
+    w.putCallReg('rax');
+  };
+  // outer: followed; 16-byte aligned stack at `inner`'s calls
+  w.putSubRegImm('rsp', 8);
+  const inner = forkStub.add(64);
+  w.putCallAddress(inner);
+  const outerAfter = forkStub.add(w.offset);
+  w.putAddRegImm('rsp', 8);
+  w.putRet();
+  forkStubNoop = forkStub.add(w.offset);
+  w.putRet();
+  state.add(8 + 8 * 4096 + 784).writePointer(forkSlots.add(MARK_SLOT)); // BtState.fork_mark_slot
+  state.add(8 + 8 * 4096 + 792).writePointer(forkStubNoop); // BtState.fork_noop
+  w.flush();
+  w.reset(inner);
+  w.putPushReg('rbx');
+  callSlot(MARK_SLOT);
+  callSlot(FORK_SLOT);
+  w.putMovRegReg('ebx', 'eax');
+  w.putTestRegReg('eax', 'eax');
+  w.putJccShortLabel('jne', 'parent', 'no-hint');
+  w.putMovRegAddress('rax', outerAfter); // the child goes on natively
+  w.putMovRegOffsetPtrReg('rsp', 8, 'rax');
+  w.putLabel('parent');
+  w.putMovRegReg('eax', 'ebx');
+  w.putPopReg('rbx');
+  w.putRet();
+  w.flush();
+  Memory.protect(forkStub, Process.pageSize, 'r-x');
+  Cloak.addRange({ base: forkSlots, size: 2 * Process.pageSize });
+  Stalker.exclude({ base: inner, size: Process.pageSize - 64 });
+})();
+for (const module of Process.enumerateModules()) {
+  for (const imported of module.enumerateImports()) {
+    const range = imported.name === 'fork' && imported.slot
+      ? Process.findRangeByAddress(imported.slot) : null;
+    if (range !== null && Memory.protect(imported.slot, Process.pointerSize, 'rw-')) {
+      imported.slot.writePointer(forkStub); // else its fork() calls take the hook's way
+      Memory.protect(imported.slot, Process.pointerSize, range.protection);
+    }
+  }
+}
+function unkeepForks() {
+  forkSlots.add(MARK_SLOT).writePointer(forkStubNoop);
+}
 const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
   ['pointer', 'pointer', 'pointer', 'pointer']);
 const pthreadDetach = new NativeFunction(libc('pthread_detach'), 'int', ['pointer']);
@@ -820,7 +903,8 @@ function unfollowAll() {
 }
 function letGoOfAll() {
   tracing = false;
-  const hooks = [...hookedAt, cm.bt_fork_gate, ...fridaHooks()];
+  unkeepForks();
+  const hooks = [...hookedAt, cm.bt_fork_gate, forkStub, ...fridaHooks()];
   for (const tid of threads.keys()) {
     Stalker.unfollow(tid);
   }
