@@ -957,7 +957,8 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0) {
     /* the child's fork() calls go on through its copy of the fork stub, which must not call
        into this module: Frida may unload the child's copy of it */
-    *STATE->fork_mark_slot = STATE->fork_noop;
+    if (STATE->fork_mark_slot != NULL)
+      *STATE->fork_mark_slot = STATE->fork_noop;
     for (int i = 0; i < STATE->nthreads; i++)
       if (STATE->threads[i] != NULL)
         bt_thread_forget(STATE->threads[i]);

@@ -277,13 +277,13 @@ const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
 const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
   ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
   3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
-const forkStub = forkSlots.add(Process.pageSize);
+const forkStub = forkSlots.equals(ptr(-1)) ? null : forkSlots.add(Process.pageSize);
 const MARK_SLOT = 0;
 const FORK_SLOT = 8;
-forkSlots.add(MARK_SLOT).writePointer(cm.bt_fork_mark);
-forkSlots.add(FORK_SLOT).writePointer(libc('fork'));
 let forkStubNoop = NULL;
-(() => {
+if (forkStub !== null) {
+  forkSlots.add(MARK_SLOT).writePointer(cm.bt_fork_mark);
+  forkSlots.add(FORK_SLOT).writePointer(libc('fork'));
   const w = new X86Writer(forkStub, { pc: forkStub });
   const callSlot = (offset) => {
     w.putMovRegAddress('rax', forkSlots.add(offset));
@@ -299,8 +299,6 @@ let forkStubNoop = NULL;
   w.putRet();
   forkStubNoop = forkStub.add(w.offset);
   w.putRet();
-  state.add(8 + 8 * 4096 + 784).writePointer(forkSlots.add(MARK_SLOT)); // BtState.fork_mark_slot
-  state.add(8 + 8 * 4096 + 792).writePointer(forkStubNoop); // BtState.fork_noop
   w.flush();
   w.reset(inner);
   w.putPushReg('rbx');
@@ -319,19 +317,24 @@ let forkStubNoop = NULL;
   Memory.protect(forkStub, Process.pageSize, 'r-x');
   Cloak.addRange({ base: forkSlots, size: 2 * Process.pageSize });
   Stalker.exclude({ base: inner, size: Process.pageSize - 64 });
-})();
-for (const module of Process.enumerateModules()) {
-  for (const imported of module.enumerateImports()) {
-    const range = imported.name === 'fork' && imported.slot
-      ? Process.findRangeByAddress(imported.slot) : null;
-    if (range !== null && Memory.protect(imported.slot, Process.pointerSize, 'rw-')) {
-      imported.slot.writePointer(forkStub); // else its fork() calls take the hook's way
-      Memory.protect(imported.slot, Process.pointerSize, range.protection);
+  for (const module of Process.enumerateModules()) {
+    for (const imported of module.enumerateImports()) {
+      const range = imported.name === 'fork' && imported.slot
+        ? Process.findRangeByAddress(imported.slot) : null;
+      if (range !== null && Memory.protect(imported.slot, Process.pointerSize, 'rw-')) {
+        imported.slot.writePointer(forkStub); // else its fork() calls take the hook's way
+        Memory.protect(imported.slot, Process.pointerSize, range.protection);
+      }
     }
   }
 }
+// BtState.fork_mark_slot and fork_noop (NULL: no stub, every fork() takes the hook's way)
+state.add(8 + 8 * 4096 + 784).writePointer(forkStub === null ? NULL : forkSlots.add(MARK_SLOT));
+state.add(8 + 8 * 4096 + 792).writePointer(forkStubNoop);
 function unkeepForks() {
-  forkSlots.add(MARK_SLOT).writePointer(forkStubNoop);
+  if (forkStub !== null) {
+    forkSlots.add(MARK_SLOT).writePointer(forkStubNoop);
+  }
 }
 const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
   ['pointer', 'pointer', 'pointer', 'pointer']);
@@ -904,7 +907,8 @@ function unfollowAll() {
 function letGoOfAll() {
   tracing = false;
   unkeepForks();
-  const hooks = [...hookedAt, cm.bt_fork_gate, forkStub, ...fridaHooks()];
+  const hooks = [...hookedAt, cm.bt_fork_gate, ...(forkStub === null ? [] : [forkStub]),
+    ...fridaHooks()];
   for (const tid of threads.keys()) {
     Stalker.unfollow(tid);
   }
