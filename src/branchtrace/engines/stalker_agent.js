@@ -273,11 +273,15 @@ const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
 // itself, not to the parent's compiled code, which the child must never run.  The stub is
 // mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
 // mark's slot points at a `ret`, so nothing comes through it into this script's code once
-// it may be unloaded.
+// it may be unloaded.  Only in a program we start (PARAMS.spawn), which the recording
+// never leaves running: attached with it to a shell forking every 0.5 ms, 2 detaches of 6
+// left the shell killed by SIGSEGV, in a thread of Frida's running the agent's code after
+// it was unmapped (and 1 of 3 forked children the same, without the stub).
 const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
   ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
   3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
-const forkStub = forkSlots.equals(ptr(-1)) ? null : forkSlots.add(Process.pageSize);
+const forkStub = forkSlots.equals(ptr(-1)) || !PARAMS.spawn ? null
+  : forkSlots.add(Process.pageSize);
 const MARK_SLOT = 0;
 const FORK_SLOT = 8;
 let forkStubNoop = NULL;
