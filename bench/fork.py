@@ -83,16 +83,15 @@ def main() -> None:
                         if tool == "wrap" and n and name == "C fork loop":
                             grew = growth_mib(out)
 
-            def cost(tool: str, best: dict = best) -> float:  # seconds for the forks alone
-                return best[tool, args.rounds] - best[tool, 0]
-
-            native = cost("native")
+            # seconds for the forks alone
+            cost = {tool: best[tool, args.rounds] - best[tool, 0] for tool, _ in best}
+            native = cost["native"]
             cells = [name, f"{native:.2f}"]
             for tool in ("wrap", "stream"):
-                cells += [f"{cost(tool):.2f}", f"{cost(tool) / native:.1f}x"]
+                cells += [f"{cost[tool]:.2f}", f"{cost[tool] / native:.1f}x"]
             cells.append("-" if grew is None else f"{grew:.1f}")
-            if ("uftrace", 0) in best:
-                cells += [f"{cost('uftrace'):.2f}", f"{cost('uftrace') / native:.1f}x"]
+            if "uftrace" in cost:
+                cells += [f"{cost['uftrace']:.2f}", f"{cost['uftrace'] / native:.1f}x"]
             else:
                 cells += ["-", "-"]
             print("| " + " | ".join(cells) + " |")
