@@ -1,6 +1,7 @@
-"""Children forked while Frida's agent loads, stuck on its heap lock: found and freed
-(engines/forkwindow.py), on a fixture that builds the same stuck state without Frida
-(tests/programs/heaplock.c); test_record.py has the real attach."""
+"""Children forked while Frida's agent loads, stuck on its heap lock or on a mutex of its:
+or on the C library's exit lock: found and freed (engines/forkwindow.py), on fixtures that
+build the same stuck states without Frida (tests/programs/heaplock.c, mutexlock.c,
+exitlock.c); test_record.py has the real attach."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from branchtrace.engines.procevents import ExitWatcher
 
 @contextlib.contextmanager
 def heaplock(program, how: str = "frida") -> Iterator[subprocess.Popen]:
-    """heaplock started, then made to fork: the program and its child, the child spinning."""
+    """heaplock (or mutexlock) started, then made to fork: the program and its child, the
+    child spinning (or asleep on the mutex)."""
     target = subprocess.Popen(
         [str(program), how],
         stdin=subprocess.PIPE,
@@ -45,6 +47,15 @@ def fork_now(target: subprocess.Popen) -> int:
     child = int(target.stdout.readline().split()[1])
     time.sleep(0.05)  # into its loop
     return child
+
+
+def asleep(child: int) -> bool:
+    """Whether `child` is (back) asleep within a second: let go after a ptrace stop, it runs
+    for a moment as its system call starts again."""
+    deadline = time.monotonic() + 1
+    while forkwindow.proc_stat(child)[0] != "S" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return forkwindow.proc_stat(child)[0] == "S"
 
 
 def child_status(target: subprocess.Popen) -> str:
@@ -71,6 +82,88 @@ def test_other_children_are_left_alone(programs, how):
         assert forkwindow.proc_stat(child)[0] == "R"  # still spinning, and not left stopped
         os.kill(child, signal.SIGKILL)
         assert child_status(target) == f"status {signal.SIGKILL}"
+
+
+def test_a_child_asleep_on_a_mutex_of_frida_held_by_a_thread_it_has_not_is_freed(programs):
+    with heaplock(programs["mutexlock"]) as target:
+        child = fork_now(target)
+        assert Path(f"/proc/{child}/wchan").read_text() == "futex_do_wait"
+        lock = forkwindow.stuck_on(child)
+        assert lock is not None and lock.kind == "mutex"
+        lock_word, count, owner, users, kind = forkwindow._mutex(child, lock.address)
+        assert (lock_word, count, users, kind) == (2, 1, 1, 1)  # held once, recursive
+        assert owner not in (0, child)
+        assert forkwindow.release(child, lock)
+        # it took the mutex for itself: unlocking it, as its owner, returned 0
+        assert child_status(target) == "status 0"
+
+
+@pytest.mark.parametrize("how", ["plain", "threads"])
+def test_a_child_asleep_on_a_mutex_the_program_took_itself_or_with_a_second_thread_is_left_alone(
+    programs, how
+):
+    # "plain": a deadlock of the program's own, natively too, not Frida's
+    with heaplock(programs["mutexlock"], how) as target:
+        child = fork_now(target)
+        assert forkwindow.stuck_on(child) is None
+        assert not forkwindow.free_if_stuck(child)
+        time.sleep(0.2)
+        assert asleep(child)  # still asleep, and not left stopped
+        os.kill(child, signal.SIGKILL)
+        assert child_status(target) == f"status {signal.SIGKILL}"
+
+
+def test_a_watch_frees_a_child_asleep_on_a_mutex_of_fridas_forked_since_it_began(programs):
+    with heaplock(programs["mutexlock"]) as target:
+        watch = forkwindow.ForksUnderFrida(target.pid)
+        child = fork_now(target)
+        watch.attached(follow_new=False)
+        watch.detaching()
+        assert watch.settle() == []
+        assert (watch.freed, watch.stuck) == ([child], [])
+        assert child_status(target) == "status 0"
+
+
+def test_a_mutex_is_released_only_while_its_child_still_sleeps_on_it(programs):
+    with heaplock(programs["mutexlock"]) as target:
+        child = fork_now(target)
+        lock = forkwindow.stuck_on(child)
+        assert lock is not None
+        elsewhere = lock._replace(address=lock.address + 64)
+        assert not forkwindow.release(child, elsewhere)  # not the word its wait is on
+        assert forkwindow._mutex(child, lock.address)[0] == 2  # untouched
+        assert asleep(child)
+        watch = forkwindow.ForksUnderFrida(target.pid)
+        watch.attached(follow_new=True)  # it was forked before: not watched
+        watch.free_stuck()
+        assert watch.freed == []
+        assert forkwindow.free_if_stuck(child)
+        assert child_status(target) == "status 0"
+
+
+def test_a_child_asleep_in_exit_on_the_c_librarys_lock_is_freed_only_if_forked_at_risk(programs):
+    with heaplock(programs["exitlock"]) as target:
+        child = _stuck_exiting(target)
+        # forked at any other time, that lock was held by the program's own thread
+        assert forkwindow.stuck_on(child) is None
+        lock = forkwindow.stuck_on(child, libc_too=True)
+        assert lock is not None and lock.kind == "libc"
+        path, start, end = forkwindow._libc(forkwindow._mappings(child))
+        assert Path(path).name.startswith("libc.so") and start <= lock.address < end
+        watch = forkwindow.ForksUnderFrida(target.pid)
+        watch.attached(follow_new=True)  # forked before the watch: not looked at
+        watch.free_stuck()
+        assert watch.freed == [] and asleep(child)
+        assert forkwindow.release(child, lock)
+        assert child_status(target) == "status 0"
+
+
+def _stuck_exiting(target: subprocess.Popen) -> int:
+    target.stdin.write("go\n")
+    target.stdin.flush()
+    child = int(target.stdout.readline().split()[1])
+    assert child != 0, "no child stuck in 5,000 forks"
+    return child
 
 
 def test_the_lock_is_found_from_every_pc_of_the_loop_and_from_the_yield_it_calls(programs):

@@ -1,5 +1,5 @@
 """Children forked while Frida's agent is injected into a running process, and freeing the
-ones that spin on Frida's heap lock; processes Frida's injector holds stopped for good
+ones stuck on a lock of Frida's; processes Frida's injector holds stopped for good
 (stopped_by_us, StopClock, kill_held: the stalker engine's frozen checks).
 
 Frida (17.26.2) hooks exit(), _exit() and abort() as soon as its agent starts, and its
@@ -8,13 +8,18 @@ and our script load.  A child forked at such a moment inherits that lock held by
 it does not have.  Its first exit() enters Frida's hook, which allocates, and spins on the
 lock for good (a sched_yield() every 64 tries); a parent waiting for it hangs too.  Plain
 Frida does the same (bench/follow_fork_stress.py --plain-frida); frida/frida#467 is the
-upstream issue.  Children forked after the attach are safe.
+upstream issue.  The same goes for a mutex: a shell's subshell, forked while a thread of
+Frida's held the mutex of Frida's thread registry (as the script's thread observer is set
+up), sleeps for good in its exit(), where the registry's hook on __call_tls_dtors() takes
+that mutex to forget the thread.
 
-A single-threaded process spinning on a held spin lock can never get it: no thread of its
-own will release it.  So the one way it goes on is that someone else releases it: we stop
-the child with ptrace, check that it is in that loop, write 0 to the lock and let it go.
-The heap the lock guarded may have been mid-update in the forking parent; in the measured
-runs the freed children exited normally (docs/fork.md).
+A single-threaded process waiting on a lock that a thread it does not have holds can never
+get it: no thread of its own will release it.  So the one way it goes on is that someone
+else releases it: we stop the child with ptrace, check that it waits on that lock (its pc
+in the spin loop; or asleep on a pthread mutex whose owner is another thread, called from
+Frida's code), clear the lock and let it go.  The data the lock guarded may have been
+mid-update in the forking parent; in the measured runs the freed children exited normally
+(docs/fork.md).
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ import re
 import signal
 import time
 from pathlib import Path
+from typing import NamedTuple
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
 
 from . import ptrace as pt
 
@@ -145,18 +154,31 @@ def proc_stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
-def _agent_code(pid: int, address: int) -> bool:
-    """Whether `address` is in code of Frida's agent in `pid`."""
+def _mappings(pid: int) -> list[tuple[int, int, str, str]]:
+    """`pid`'s mappings: (start, end, permissions, path or "")."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
     except OSError:
-        return False
+        return []
+    found = []
     for line in maps:
         fields = line.split(maxsplit=5)
         low, high = (int(x, 16) for x in fields[0].split("-"))
+        found.append((low, high, fields[1], fields[5] if len(fields) == 6 else ""))
+    return found
+
+
+def _code_of(mappings: list[tuple[int, int, str, str]], address: int) -> str | None:
+    """The path of the executable mapping `address` is in ("" if anonymous), or None."""
+    for low, high, permissions, path in mappings:
         if low <= address < high:
-            return "x" in fields[1] and len(fields) == 6 and "frida-agent" in fields[5]
-    return False
+            return path if "x" in permissions else None
+    return None
+
+
+def _agent_code(pid: int, address: int) -> bool:
+    """Whether `address` is in code of Frida's agent in `pid`."""
+    return "frida-agent" in (_code_of(_mappings(pid), address) or "")
 
 
 def _read(pid: int, address: int, size: int) -> bytes:
@@ -214,42 +236,217 @@ def _let_go(pid: int) -> None:
             os.waitpid(pid, os.WNOHANG | pt.WALL)
 
 
-def stuck_on(pid: int) -> int | None:
-    """The address of the held Frida heap lock `pid`, of one thread, spins on, or None."""
+class HeldLock(NamedTuple):
+    """A lock that a child waits on for good, held at its fork by a thread it does not have:
+    Frida's heap lock, which it spins on ("spin"); a pthread mutex taken by Frida's code
+    ("mutex"); or a lock of the C library's that its exit() takes ("libc")."""
+
+    address: int
+    kind: str = "spin"
+
+
+_SYS_FUTEX = 202
+_FUTEX_WAIT_PRIVATE = 0x80
+#: glibc's __lll_lock_wait() sleeps while the lock word reads 2: taken, with waiters
+_LOCKED_WITH_WAITERS = 2
+#: pthread_mutex_t's kinds that lock with __lll_lock_wait(): normal, recursive, error
+#: checking, adaptive; not robust, priority-inheriting or -protecting, or process-shared
+_PLAIN_MUTEX_KINDS = (0, 1, 2, 3)
+_STACK_WORDS = 64  #: how far up its stack a child is looked at for who called the lock
+
+
+def _futex_wait(pid: int) -> tuple[int, int] | None:
+    """(the lock word, the stack pointer) of `pid` asleep in glibc's wait for a taken lock,
+    read from /proc without stopping it; None if it is not."""
+    try:
+        fields = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return None
+    if len(fields) != 9 or fields[0] != str(_SYS_FUTEX):
+        return None
+    word, op, value = (int(x, 16) for x in fields[1:4])
+    if op != _FUTEX_WAIT_PRIVATE or value != _LOCKED_WITH_WAITERS:
+        return None
+    return word, int(fields[7], 16)
+
+
+def _mutex(pid: int, address: int) -> tuple[int, int, int, int, int] | None:
+    """pthread_mutex_t's first fields at `address`: lock, count, owner, users, kind."""
+    data = _read(pid, address, 20)
+    if len(data) != 20:
+        return None
+    lock, count, owner, users, kind = (
+        int.from_bytes(data[i : i + 4], "little", signed=True) for i in range(0, 20, 4)
+    )
+    return lock, count, owner, users, kind
+
+
+def _called_from_agent(pid: int, sp: int) -> bool:
+    """Whether the first return address up `pid`'s stack from `sp` that is not into the C
+    library's code is into Frida's agent: the lock was taken by Frida's code, not the
+    program's (whose own deadlocks are not ours to break)."""
+    mappings = _mappings(pid)
+    stack = _read(pid, sp, 8 * _STACK_WORDS)
+    for i in range(0, len(stack) - 7, 8):
+        path = _code_of(mappings, int.from_bytes(stack[i : i + 8], "little"))
+        if path is None or Path(path).name.startswith(("libc.so", "libc-", "libpthread")):
+            continue
+        return "frida-agent" in path
+    return False
+
+
+def _mutex_held_elsewhere(pid: int, address: int, sp: int) -> HeldLock | None:
+    """The pthread mutex at `address` that `pid`, of one thread, sleeps on for good: taken
+    by Frida's code, and owned by a thread that is not its own (one of the forking
+    parent's)."""
+    mutex = _mutex(pid, address)
+    if mutex is None:
+        return None
+    lock, _, owner, _, kind = mutex
+    if lock != _LOCKED_WITH_WAITERS or owner in (0, pid) or kind not in _PLAIN_MUTEX_KINDS:
+        return None
+    return HeldLock(address, "mutex") if _called_from_agent(pid, sp) else None
+
+
+def _libc(mappings: list[tuple[int, int, str, str]]) -> tuple[str, int, int] | None:
+    """The C library the program runs: (its path, where it is loaded, the end of its data
+    and the zeroed memory that follows).  Frida maps a copy of it to read, never to run:
+    the one with code is the program's."""
+    found = [
+        i
+        for i, (_, _, permissions, path) in enumerate(mappings)
+        if "x" in permissions and Path(path).name.startswith("libc.so")
+    ]
+    if not found:
+        return None
+    first = last = found[0]
+    path = mappings[first][3]
+
+    def touching(i: int, j: int) -> bool:
+        return mappings[i][1] == mappings[j][0]
+
+    while first > 0 and mappings[first - 1][3] == path and touching(first - 1, first):
+        first -= 1
+    while last + 1 < len(mappings) and mappings[last + 1][3] == path and touching(last, last + 1):
+        last += 1
+    if last + 1 < len(mappings) and not mappings[last + 1][3] and touching(last, last + 1):
+        last += 1  # its .bss
+    return path, mappings[first][0], mappings[last][1]
+
+
+def _function(path: str, name: str) -> tuple[int, int] | None:
+    """(offset, size) of the function `name` that the ELF file at `path` exports."""
+    try:
+        with open(path, "rb") as f:
+            symbols = ELFFile(f).get_section_by_name(".dynsym")
+            found = symbols.get_symbol_by_name(name) if symbols is not None else None
+            if not found:
+                return None
+            return int(found[0]["st_value"]), int(found[0]["st_size"])
+    except (OSError, ELFError):
+        return None
+
+
+def _libc_lock_in_exit(pid: int, address: int, sp: int) -> HeldLock | None:
+    """The lock of the C library at `address` that `pid`, of one thread, sleeps on for good
+    inside exit(): the lock of its list of exit handlers, which a thread of Frida's holds
+    as the agent unloads (__cxa_finalize runs the agent's handlers)."""
+    mappings = _mappings(pid)
+    libc = _libc(mappings)
+    if libc is None:
+        return None
+    path, start, end = libc
+    exit_function = _function(path, "exit")
+    if not start <= address < end or exit_function is None:
+        return None
+    low = start + exit_function[0]
+    high = low + exit_function[1]
+    stack = _read(pid, sp, 8 * _STACK_WORDS)
+    returns = (int.from_bytes(stack[i : i + 8], "little") for i in range(0, len(stack) - 7, 8))
+    return HeldLock(address, "libc") if any(low < r <= high for r in returns) else None
+
+
+def stuck_on(pid: int, libc_too: bool = False) -> HeldLock | None:
+    """The lock that `pid`, of one thread, waits on for good, held by a thread it does not
+    have, or None.  `libc_too`: a lock of the C library's in exit() as well, for a child
+    forked while Frida's agent loaded or unloaded (a lock of the C library's held at any
+    other fork was held by the program itself, which would hang natively as well)."""
     stat = proc_stat(pid)
-    if stat is None or stat[0] != "R" or stat[17] != "1" or not _stop(pid):
+    if stat is None or stat[17] != "1":
+        return None
+    if stat[0] == "S":
+        wait = _futex_wait(pid)
+        if wait is None:
+            return None
+        held = _mutex_held_elsewhere(pid, *wait)
+        if held is None and libc_too:
+            held = _libc_lock_in_exit(pid, *wait)
+        return held
+    if stat[0] != "R" or not _stop(pid):
         return None
     try:
         lock = _spin_lock(pid, pt.getregs(pid))
         if lock is None or _read(pid, lock, 4) in (b"", b"\0\0\0\0"):
             return None
-        return lock
+        return HeldLock(lock)
     except OSError:
         return None
     finally:
         _let_go(pid)
 
 
-def release(pid: int, lock: int) -> bool:
-    """Clear the spin lock at `lock` in `pid`: the spinning thread takes it at its next try."""
+def _write(pid: int, address: int, data: bytes) -> bool:
     try:
         with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
-            mem.seek(lock)
-            mem.write(b"\0\0\0\0")
+            mem.seek(address)
+            mem.write(data)
         return True
     except OSError:
         return False
 
 
-def free_if_stuck(pid: int) -> bool:
-    """If `pid` spins on a held Frida heap lock: release it, True."""
-    lock = stuck_on(pid)
+def _release_asleep(pid: int, lock: HeldLock) -> bool:
+    """Unlock `lock`, which `pid` sleeps on, as its owner would, and wake it: stopped, the
+    kernel restarts its wait as it goes on, which then finds the lock free and takes it."""
+    if not _stop(pid):
+        return False
+    try:
+        regs = pt.getregs(pid)
+        if regs["orig_rax"] != _SYS_FUTEX or regs["rdi"] != lock.address:
+            return False
+        if lock.kind == "libc":  # a bare lock word
+            return _read(pid, lock.address, 4) == _LOCKED_WITH_WAITERS.to_bytes(
+                4, "little"
+            ) and _write(pid, lock.address, b"\0\0\0\0")
+        mutex = _mutex(pid, lock.address)
+        if mutex is None or mutex[0] != _LOCKED_WITH_WAITERS or mutex[2] in (0, pid):
+            return False
+        users = mutex[3]
+        free = b"".join(x.to_bytes(4, "little") for x in (0, 0, 0, max(users - 1, 0)))
+        return _write(pid, lock.address, free)
+    except OSError:
+        return False
+    finally:
+        _let_go(pid)
+
+
+def release(pid: int, lock: HeldLock) -> bool:
+    """Clear `lock` in `pid`: the thread waiting on it takes it at its next try."""
+    if lock.kind == "spin":
+        return _write(pid, lock.address, b"\0\0\0\0")
+    return _release_asleep(pid, lock)
+
+
+def free_if_stuck(pid: int, libc_too: bool = False) -> bool:
+    """If `pid` waits for good on a lock a thread it does not have holds (stuck_on): release
+    it, True."""
+    lock = stuck_on(pid, libc_too)
     return lock is not None and release(pid, lock)
 
 
 class ForksUnderFrida:
     """The children `pid` forks from `__init__` (call it before Frida attaches) on, freed
-    when they spin on the inherited heap lock.
+    when they wait for good on an inherited lock of Frida's (stuck_on).
 
     The riskiest children are forked while Frida's threads are busy: while the agent and
     our script load (until `attached()`) and while they unload (from `detaching()` until
@@ -265,8 +462,8 @@ class ForksUnderFrida:
         self._follow_new = True
         self._seen_before_detach: set[int] | None = None
         self.freed: list[int] = []  #: released once, and went on
-        self.stuck: list[int] = []  #: spinning on a lock again after its release
-        self._released: dict[int, set[int]] = {}  #: child -> the locks released in it
+        self.stuck: list[int] = []  #: waiting on a lock again after its release
+        self._released: dict[int, set[HeldLock]] = {}  #: child -> the locks released in it
 
     def attached(self, follow_new: bool) -> None:
         self._refresh()
@@ -296,7 +493,7 @@ class ForksUnderFrida:
     def free_stuck(self) -> None:
         self._refresh()
         for kid in sorted(self._watched.keys() - set(self.stuck)):
-            lock = stuck_on(kid)
+            lock = stuck_on(kid, libc_too=kid in self._risky)
             if lock is None:
                 continue
             released = self._released.setdefault(kid, set())

@@ -107,7 +107,7 @@ DETACH_WAIT = 2.0
 #: and when none is known to: on a loaded machine a detach that ends by itself took up to
 #: 2.2 s (`loopers` and 4 to 6 other busy processes on 2 CPUs; 0.1 s otherwise)
 DETACH_PATIENCE = 10.0
-#: how often a recording of a running process looks for children stuck on Frida's heap lock
+#: how often a recording of a running process looks for children stuck on Frida's locks
 FORK_CHECK_INTERVAL = 0.25
 #: how long a process found on its way out may take to end (dumping core)
 ENDING_WAIT = 30.0
@@ -2218,7 +2218,7 @@ class StalkerEngine:
             result.warnings.append(_frozen(f"{argv[0]} (pid {pid})", _FROZEN_KILLED))
         under_frida = None
         if ending == "let go":
-            # its children forked from here on, untraced, may hang on Frida's heap lock
+            # its children forked from here on, untraced, may hang on Frida's locks
             # while the agent unloads (ForksUnderFrida), as after an attach
             under_frida = ForksUnderFrida(pid)
             under_frida.attached(follow_new=False)
@@ -2703,21 +2703,23 @@ def _forks_under_frida_warnings(pid: int, forks: ForksUnderFrida, at_risk: list[
     warnings = []
     if forks.freed:
         warnings.append(
-            f"{_children_of(pid, forks.freed)}, forked while Frida's agent held its heap lock, "
-            f"hung in exit() on that lock (a Frida bug, frida/frida#467): branchtrace released "
-            f"it, and {'it' if len(forks.freed) == 1 else 'they'} went on"
+            f"{_children_of(pid, forks.freed)}, forked while a thread of Frida's held a lock "
+            f"of Frida's agent (its heap lock or a mutex), hung on that lock (a Frida bug, "
+            f"frida/frida#467): branchtrace released it, and "
+            f"{'it' if len(forks.freed) == 1 else 'they'} went on"
         )
     if forks.stuck:
         warnings.append(
-            f"{_children_of(pid, forks.stuck)} spun on Frida's heap lock again after its "
-            "release, holding it itself: it will not end by itself; kill it"
+            f"{_children_of(pid, forks.stuck)} waited on the same lock of Frida's again after "
+            "its release, holding it itself: it will not end by itself; kill it"
         )
     at_risk = [kid for kid in at_risk if kid not in forks.stuck]
     if at_risk:
         warnings.append(
             f"{_children_of(pid, at_risk)}, forked while Frida's agent was loading or "
-            f"unloading, still {'runs' if len(at_risk) == 1 else 'run'}: if Frida held its "
-            "heap lock at that fork, it will hang when it exits (frida/frida#467)"
+            f"unloading, still {'runs' if len(at_risk) == 1 else 'run'}: if a thread of "
+            "Frida's held one of its locks at that fork, it will hang when it exits "
+            "(frida/frida#467)"
         )
     return warnings
 
