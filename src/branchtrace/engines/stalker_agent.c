@@ -1040,6 +1040,34 @@ int bt_hold_forks(int hold) {
   return g_atomic_int_add(&STATE->forks_in_flight, 0) + g_atomic_int_add(&STATE->forks_passing, 0);
 }
 
+/* The end of a recording (letGoOfAll in stalker_agent.js) lets go of every thread through
+   Gum, which looks a thread's GumExecCtx up once and goes on using it, unlocked, while it
+   stops the thread and retries (gum_stalker_invalidate_for_thread, gum_stalker_unfollow).
+   A thread that unfollows itself on its way into fork() meanwhile (bt_before_fork) frees
+   that context at once, and Gum then wrote into freed memory: attached to a shell forking
+   subshells, 3 recordings of about 60 killed it with SIGSEGV in a thread of Frida's.  So
+   fork() waits at its entry meanwhile, unless the host holds it there already (its hold
+   stays as it is).  hold 1: takes the hold if none is, and returns how many fork()s are
+   still past their entry (-1: the host holds them, and its hold is left as it was); 0: lets
+   go of the hold taken. */
+int bt_hold_forks_at_entry(int hold) {
+  if (!hold) {
+    g_atomic_int_add(&STATE->forks_held, -1);
+    bt_futex_wake((uint32_t *)&STATE->forks_held);
+    return 0;
+  }
+  /* a locked add, as bt_on_fork_enter needs (a full barrier); it returns the count before */
+  if (g_atomic_int_add(&STATE->forks_held, 1) != 0) {
+    g_atomic_int_add(&STATE->forks_held, -1);
+    return -1;
+  }
+  return g_atomic_int_add(&STATE->forks_in_flight, 0);
+}
+
+int bt_forks_in_flight(void) {
+  return g_atomic_int_add(&STATE->forks_in_flight, 0);
+}
+
 extern int fork(void);
 
 /* The program's calls of fork() through its GOT go through the fork stub (forkStub in

@@ -262,6 +262,8 @@ const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint
 const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', 'pointer']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
 const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
+const holdForksAtEntry = new NativeFunction(cm.bt_hold_forks_at_entry, 'int', ['int']);
+const forksInFlight = new NativeFunction(cm.bt_forks_in_flight, 'int', []);
 const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
 // A followed thread that calls fork() is unfollowed in its hook and followed again after
 // it (beforeFork), and Stalker then compiles for it anew all the code it runs: a shell, its
@@ -910,6 +912,23 @@ function unfollowAll() {
 }
 function letGoOfAll() {
   tracing = false;
+  // fork()s wait at their entry meanwhile, and those past it are waited for (1 s at most):
+  // a thread unfollowing itself in beforeFork frees the Stalker context that Gum's unfollow
+  // and invalidate of the thread below are using (bt_hold_forks_at_entry)
+  const forksHeldHere = holdForksAtEntry(1) >= 0;
+  const forksWaitedFor = Date.now() + 1000;
+  while (forksHeldHere && forksInFlight() > 0 && Date.now() < forksWaitedFor) {
+    Thread.sleep(0.001);
+  }
+  try {
+    letGoOfThreads();
+  } finally {
+    if (forksHeldHere) {
+      holdForksAtEntry(0);
+    }
+  }
+}
+function letGoOfThreads() {
   unkeepForks();
   const hooks = [...hookedAt, cm.bt_fork_gate, ...(forkStub === null ? [] : [forkStub]),
     ...fridaHooks()];
