@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 
 from . import ptrace as pt
 
@@ -339,7 +340,9 @@ def _function(path: str, name: str) -> tuple[int, int] | None:
     try:
         with open(path, "rb") as f:
             symbols = ELFFile(f).get_section_by_name(".dynsym")
-            found = symbols.get_symbol_by_name(name) if symbols is not None else None
+            if not isinstance(symbols, SymbolTableSection):
+                return None
+            found = symbols.get_symbol_by_name(name)
             if not found:
                 return None
             return int(found[0]["st_value"]), int(found[0]["st_size"])
