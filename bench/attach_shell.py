@@ -1,7 +1,7 @@
 """Attach `record -p` again and again to a shell that forks subshells without pause, and
 count what became of the shell: it must run on, forking, after each detach.
 
-    python bench/attach_shell.py [--runs 60] [--duration 1] [--mode wrap]
+    python bench/attach_shell.py [--runs 60] [--duration 1] [--mode wrap] [--follow-fork]
 
 A reliability check, not a speed one (docs/fork.md, section 6).  A subshell forked while a
 thread of Frida's holds a lock that the subshell's exit() takes (Frida's heap lock, the
@@ -43,6 +43,7 @@ def attach_once(out: Path, args: argparse.Namespace) -> str:
         shutil.rmtree(out, ignore_errors=True)
         command = [sys.executable, "-m", "branchtrace.cli.main", "record", "-o", str(out)]
         command += ["--mode", args.mode, "--duration", str(args.duration), "-p", str(shell.pid)]
+        command += ["--follow-fork"] if args.follow_fork else []
         recording = subprocess.run(command, capture_output=True, text=True, timeout=120)
         said = recording.stderr
         if shell.poll() is not None:
@@ -68,6 +69,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=60)
     parser.add_argument("--duration", type=float, default=1.0)
     parser.add_argument("--mode", default="wrap", choices=["stream", "wrap"])
+    parser.add_argument("--follow-fork", action="store_true", help="trace the subshells too")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="bt-attachshell-")) / "d"
     outcomes: collections.Counter[str] = collections.Counter()
@@ -80,7 +82,8 @@ def main() -> int:
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
     summary = ", ".join(f"{count} {outcome}" for outcome, count in outcomes.most_common())
-    what = f"{args.runs} attaches ({args.mode}, {args.duration} s) to `bash -c '{SHELL}'`"
+    how = f"{args.mode}{', --follow-fork' if args.follow_fork else ''}, {args.duration} s"
+    what = f"{args.runs} attaches ({how}) to `bash -c '{SHELL}'`"
     print(f"{what}: {summary}")
     return 0
 

@@ -1287,6 +1287,29 @@ def test_a_program_that_forks_through_its_got_is_not_compiled_anew_after_each_fo
     assert compiled[200] == compiled[20], compiled  # 22 more a fork() before
 
 
+def test_attached_a_program_that_forks_through_its_got_is_not_compiled_anew_after_each_fork(
+    tmp_path, programs
+):
+    # the fork stub in a program attached to as well (before session 45 only in one
+    # branchtrace started): its loop is compiled once, not again after every fork()
+    compiled = {}
+    for rounds in (10, 100):
+        out = tmp_path / f"d{rounds}"
+        forkloop = programs["forkloop"]
+        with attach_target(forkloop, rounds, 1000, -1, stdin=subprocess.PIPE) as target:
+            status, err = attached_until_the_end(out, target, "wrap")
+            assert target.wait(timeout=60) == 0 and target.stdout.read().split() == [str(rounds)]
+        assert status == 0, err
+        trace = TraceDir.open(out)
+        (tid,) = trace.threads()
+        assert trace.meta()["threads"][str(tid)]["gaps"] == {"fork": rounds}
+        assert calls_to(trace, tid, forkloop, "round_done") == rounds
+        with Ring.open(trace.ring_path(tid)) as ring:
+            compiled[rounds] = ring._get("table_count")
+    # where the attach finds the program (inside read()) moves a few blocks either way
+    assert abs(compiled[100] - compiled[10]) < 90, compiled  # 39 more a fork() without
+
+
 def test_untraced_children_are_named_with_the_programs_they_exec(tmp_path):
     # the kernel's exec report has no name: it is read while the child runs (these for
     # 0.2 s; one that exits at once may go unnamed)

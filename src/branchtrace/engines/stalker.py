@@ -880,6 +880,8 @@ class _Recording:
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
             "spawn": spawn,
+            # not in a forked child: its parent's stub is there already
+            "forkStub": spawn or forked_from is None,
             "initOffset": init,
             "park": park,
             "triggers": [t.__dict__ for t in self.options.triggers],
