@@ -11,13 +11,15 @@ Frida does the same (bench/follow_fork_stress.py --plain-frida); frida/frida#467
 upstream issue.  The same goes for a mutex: a shell's subshell, forked while a thread of
 Frida's held the mutex of Frida's thread registry (as the script's thread observer is set
 up), sleeps for good in its exit(), where the registry's hook on __call_tls_dtors() takes
-that mutex to forget the thread.
+that mutex to forget the thread; and for the C library's lock of its exit handlers, which
+the thread unloading the agent holds as it runs the agent's handlers (__cxa_finalize).
 
 A single-threaded process waiting on a lock that a thread it does not have holds can never
 get it: no thread of its own will release it.  So the one way it goes on is that someone
 else releases it: we stop the child with ptrace, check that it waits on that lock (its pc
-in the spin loop; or asleep on a pthread mutex whose owner is another thread, called from
-Frida's code), clear the lock and let it go.  The data the lock guarded may have been
+in the spin loop; asleep on a pthread mutex whose owner is another thread, called from
+Frida's code; or, forked while the agent loaded or unloaded, asleep in exit() on a lock in
+the C library's data), clear the lock and let it go.  The data the lock guarded may have been
 mid-update in the forking parent; in the measured runs the freed children exited normally
 (docs/fork.md).
 """
@@ -418,9 +420,8 @@ def _release_asleep(pid: int, lock: HeldLock) -> bool:
         if regs["orig_rax"] != _SYS_FUTEX or regs["rdi"] != lock.address:
             return False
         if lock.kind == "libc":  # a bare lock word
-            return _read(pid, lock.address, 4) == _LOCKED_WITH_WAITERS.to_bytes(
-                4, "little"
-            ) and _write(pid, lock.address, b"\0\0\0\0")
+            word = int.from_bytes(_read(pid, lock.address, 4) or b"\0", "little")
+            return word == _LOCKED_WITH_WAITERS and _write(pid, lock.address, b"\0\0\0\0")
         mutex = _mutex(pid, lock.address)
         if mutex is None or mutex[0] != _LOCKED_WITH_WAITERS or mutex[2] in (0, pid):
             return False

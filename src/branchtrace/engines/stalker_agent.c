@@ -1045,7 +1045,7 @@ int bt_hold_forks(int hold) {
    stops the thread and retries (gum_stalker_invalidate_for_thread, gum_stalker_unfollow).
    A thread that unfollows itself on its way into fork() meanwhile (bt_before_fork) frees
    that context at once, and Gum then wrote into freed memory: attached to a shell forking
-   subshells, 3 recordings of about 60 killed it with SIGSEGV in a thread of Frida's.  So
+   subshells, 2 recordings of 60 killed it with SIGSEGV in a thread of Frida's.  So
    fork() waits at its entry meanwhile, unless the host holds it there already (its hold
    stays as it is).  hold 1: takes the hold if none is, and returns how many fork()s are
    still past their entry (-1: the host holds them, and its hold is left as it was); 0: lets
