@@ -113,17 +113,6 @@ def test_a_child_asleep_on_a_mutex_the_program_took_itself_or_with_a_second_thre
         assert child_status(target) == f"status {signal.SIGKILL}"
 
 
-def test_a_watch_frees_a_child_asleep_on_a_mutex_of_fridas_forked_since_it_began(programs):
-    with heaplock(programs["mutexlock"]) as target:
-        watch = forkwindow.ForksUnderFrida(target.pid)
-        child = fork_now(target)
-        watch.attached(follow_new=False)
-        watch.detaching()
-        assert watch.settle() == []
-        assert (watch.freed, watch.stuck) == ([child], [])
-        assert child_status(target) == "status 0"
-
-
 def test_a_mutex_is_released_only_while_its_child_still_sleeps_on_it(programs):
     with heaplock(programs["mutexlock"]) as target:
         child = fork_now(target)
@@ -133,10 +122,6 @@ def test_a_mutex_is_released_only_while_its_child_still_sleeps_on_it(programs):
         assert not forkwindow.release(child, elsewhere)  # not the word its wait is on
         assert forkwindow._mutex(child, lock.address)[0] == 2  # untouched
         assert asleep(child)
-        watch = forkwindow.ForksUnderFrida(target.pid)
-        watch.attached(follow_new=True)  # it was forked before: not watched
-        watch.free_stuck()
-        assert watch.freed == []
         assert forkwindow.free_if_stuck(child)
         assert child_status(target) == "status 0"
 
@@ -192,8 +177,9 @@ def test_the_lock_is_found_from_every_pc_of_the_loop_and_from_the_yield_it_calls
         assert child_status(target) == "status 0"
 
 
-def test_only_children_forked_since_the_watch_began_are_watched(programs):
-    with heaplock(programs["heaplock"]) as target:
+@pytest.mark.parametrize("program", ["heaplock", "mutexlock"])  # spinning, or asleep
+def test_only_children_forked_since_the_watch_began_are_watched(programs, program):
+    with heaplock(programs[program]) as target:
         child = fork_now(target)
         late = forkwindow.ForksUnderFrida(target.pid)
         late.attached(follow_new=True)
@@ -201,13 +187,13 @@ def test_only_children_forked_since_the_watch_began_are_watched(programs):
         assert late.freed == []
         assert forkwindow.free_if_stuck(child)
         assert child_status(target) == "status 0"
-    with heaplock(programs["heaplock"]) as target:
+    with heaplock(programs[program]) as target:
         watch = forkwindow.ForksUnderFrida(target.pid)
         child = fork_now(target)
         watch.attached(follow_new=False)
         watch.detaching()
         assert watch.settle() == []
-        assert watch.freed == [child]
+        assert (watch.freed, watch.stuck) == ([child], [])
         assert child_status(target) == "status 0"
 
 

@@ -27,6 +27,7 @@ mid-update in the forking parent; in the measured runs the freed children exited
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -337,8 +338,10 @@ def _libc(mappings: list[tuple[int, int, str, str]]) -> tuple[str, int, int] | N
     return path, mappings[first][0], mappings[last][1]
 
 
+@functools.lru_cache(maxsize=8)
 def _function(path: str, name: str) -> tuple[int, int] | None:
-    """(offset, size) of the function `name` that the ELF file at `path` exports."""
+    """(offset, size) of the function `name` that the ELF file at `path` exports (read
+    once: stuck children are looked at every FORK_CHECK_INTERVAL)."""
     try:
         with open(path, "rb") as f:
             symbols = ELFFile(f).get_section_by_name(".dynsym")
