@@ -107,6 +107,9 @@ DETACH_WAIT = 2.0
 #: and when none is known to: on a loaded machine a detach that ends by itself took up to
 #: 2.2 s (`loopers` and 4 to 6 other busy processes on 2 CPUs; 0.1 s otherwise)
 DETACH_PATIENCE = 10.0
+#: how many times the host tries to let go of a thread asleep at the end (_let_go_asleep),
+#: and the pause between two tries, in s
+LET_GO_TRIES, LET_GO_PAUSE = 3, 0.2
 #: how often a recording of a running process looks for children stuck on Frida's locks
 FORK_CHECK_INTERVAL = 0.25
 #: how long a process found on its way out may take to end (dumping core)
@@ -233,13 +236,15 @@ def script_command(argv: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _traced_by_branchtrace(pid: int) -> tuple[str, list[int]] | None:
-    """The trace directory whose rings the process has mapped (the rings are the only
-    visible trace of a Frida agent), and the threads of those rings if that recording has
-    ended (every ring closed: threads asleep since, which keep Frida's agent until they
-    wake); None if no branchtrace has rings there."""
+    """The trace directory whose rings the process has mapped, and the threads of those
+    rings if that recording has ended (every ring closed: threads asleep since, which keep
+    Frida's agent until they wake); None if no branchtrace has rings there, or if Frida's
+    agent is gone (rings left behind, which nothing writes: _rings_left_behind)."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
+        return None
+    if "frida-agent" not in maps:
         return None
     rings = sorted(
         {p for line in maps.splitlines() if (p := line.split(maxsplit=5)[-1]).endswith(".bts")}
@@ -505,6 +510,8 @@ def _stop_and_detach(
         if stays:
             result.warnings.append(_unloading_later(f"pid {pid}", asleep))
             return True
+        if left := _rings_left_behind(pid, rec.tracedir.path):
+            result.warnings.append(_rings_left_warning(f"pid {pid}", left))
     except AgentTimeoutError:
         result.warnings.append(_stuck_agent(f"pid {pid}", agent))
         rec.orphaned.add(pid)  # its rings were never closed
@@ -517,25 +524,62 @@ def _stop_and_detach(
 def _let_go_asleep(pid: int, agent: _Agent, asleep: list[int]) -> list[int]:
     """Let go of the threads of `pid` that sleep in a system call since the recording ended
     (asleep.let_go), so that Frida can unload its agent now and the process keeps no ring
-    mapped; the threads that could not be let go of."""
+    mapped; the threads that could not be let go of.  Those are tried again a few times
+    (LET_GO_TRIES): a stop that comes too late under load, or a thread that woke meanwhile
+    and leaves by itself.  One asleep in the program's own code since before the attach
+    holds Frida's agent in nothing, so the detach went on without it, and its ring stayed
+    mapped in the process for good (seen once in a loaded CI run)."""
     exports = agent.script.exports_sync
-    kept = []
-    for tid in map(int, asleep):
 
-        def address(tid: int = tid) -> int | None:
+    def let_go_of(tid: int) -> bool:
+        def address() -> int | None:
             at = _bounded(exports.asleep_at, tid)
             return int(at) if at else None
 
-        def signal_stack(tid: int = tid) -> int | None:
+        def signal_stack() -> int | None:
             stack = _bounded(exports.signal_stack, tid)
             return int(stack) if stack else None
 
-        def done(how: str, disarmed: bool, tid: int = tid) -> bool:
+        def done(how: str, disarmed: bool) -> bool:
             return bool(_bounded(exports.let_go_asleep, tid, how, disarmed))
 
-        if not let_go(pid, tid, address, done, signal_stack):
-            kept.append(tid)
+        return let_go(pid, tid, address, done, signal_stack)
+
+    kept = [tid for tid in map(int, asleep) if not let_go_of(tid)]
+    for _ in range(LET_GO_TRIES - 1):
+        if not kept:
+            break
+        time.sleep(LET_GO_PAUSE)
+        kept = [t for t in kept if _bounded(exports.still_asleep, t) and not let_go_of(t)]
     return kept
+
+
+def _rings_left_behind(pid: int, directory: Path) -> list[int]:
+    """The threads whose rings in `directory` process `pid` still maps once Frida's agent has
+    unloaded: threads asleep in the program's own code that the host could not let go of
+    (_let_go_asleep).  Nothing writes those rings any more."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    except OSError:
+        return []
+    mapped = {Path(line.split(maxsplit=5)[-1]) for line in maps if line.endswith(".bts")}
+    where = directory.resolve()  # as the kernel names it
+    return sorted(
+        int(p.stem[1:])
+        for p in mapped
+        if p.parent == where and p.stem.startswith("T") and p.stem[1:].isdigit()
+    )
+
+
+def _rings_left_warning(process: str, tids: list[int]) -> str:
+    many = len(tids) > 1
+    return (
+        f"{process} still maps the {'rings' if many else 'ring'} of "
+        f"{'threads' if many else 'thread'} {', '.join(map(str, tids))} (asleep in a system "
+        "call, it could not be stopped to let go of it); nothing writes "
+        f"{'them' if many else 'it'} any more, the trace is complete, and the mapping goes "
+        "when the process ends"
+    )
 
 
 def _unloading_later(process: str, asleep: list[int]) -> str:
@@ -2016,6 +2060,8 @@ class _ForkFollower:
                 asleep = _let_go_asleep(thread_id(key), agent, stopped.get("asleep", []))
             if not _detached(session, patient=agent is not None and not asleep):
                 self.rec._error(_unloading_later(what, asleep))
+            elif left := _rings_left_behind(thread_id(key), self.rec.tracedir.path):
+                self.rec._error(_rings_left_warning(what, left))
         except Exception:
             pass  # it ended meanwhile
 

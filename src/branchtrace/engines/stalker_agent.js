@@ -857,6 +857,12 @@ rpc.exports = {
     const stack = t === undefined ? uint64(0) : threadAltstack(t);
     return stack.equals(0) ? null : stack.toString();
   },
+  // Whether thread `tid`, asleep since stop(), has still neither left Stalker by itself nor
+  // been let go of by the host (bt_thread_let_go).
+  stillAsleep(tid) {
+    const t = asleepThreads.get(tid);
+    return t !== undefined && threadLetGo(t) === 0;
+  },
   // The host has let go of thread `tid`, stopped asleep: `how` is 'moved' (out of Stalker's
   // code) or 'native' (it was in the program's own code); `disarmed`: it disarmed the
   // agent's signal stack there.  Whether Stalker's context for the thread was let go of too
