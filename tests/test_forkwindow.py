@@ -65,11 +65,34 @@ def child_status(target: subprocess.Popen) -> str:
         return "still waiting for its child"
 
 
-def test_a_child_spinning_on_a_lock_no_thread_of_it_holds_is_freed_and_exits_0(programs):
-    with heaplock(programs["heaplock"]) as target:
+@pytest.mark.parametrize("how", ["frida", "gum"])
+def test_a_child_spinning_on_a_lock_no_thread_of_it_holds_is_freed_and_exits_0(programs, how):
+    # "frida": Frida's heap lock (dlmalloc's, which yields); "gum": one of Gum's spin locks
+    with heaplock(programs["heaplock"], how) as target:
         child = fork_now(target)
         assert forkwindow.free_if_stuck(child)
         assert child_status(target) == "status 0"
+
+
+def test_gums_spin_lock_is_found_from_every_pc_of_its_loop_and_nowhere_else(programs):
+    with heaplock(programs["heaplock"], "gum") as target:
+        child = fork_now(target)
+        assert forkwindow._stop(child)
+        try:
+            regs = pt.getregs(child)
+            lock = regs["rdi"]
+            assert forkwindow._read(child, lock, 4) == (1).to_bytes(4, "little")
+            start = next(
+                regs.rip - at
+                for at in forkwindow._GUM_SPIN_LOOP
+                if forkwindow._read(child, regs.rip - at, 16) == forkwindow._GUM_SPIN
+            )
+            for at in range(len(forkwindow._GUM_SPIN)):
+                regs.rip = start + at
+                found = forkwindow._spin_lock(child, regs)
+                assert found == (lock if at in forkwindow._GUM_SPIN_LOOP else None), at
+        finally:
+            forkwindow._let_go(child)
 
 
 @pytest.mark.parametrize("how", ["plain", "threads"])

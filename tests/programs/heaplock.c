@@ -4,7 +4,8 @@
    Says "ready", forks when a line comes on stdin, says "child PID" and waits for it: the
    child takes the lock and exits 0 once someone else clears it.  With argv[1] "plain" the
    child spins in an ordinary C loop instead, and with "threads" it has a second thread:
-   neither may be touched.  With "twice" the child, once freed, takes the lock again while
+   neither may be touched.  With "gum" the child spins in Gum's spin lock, which never
+   yields, instead of dlmalloc's.  With "twice" the child, once freed, takes the lock again while
    it holds it: releasing that would break its own critical section.  Prints the child's wait status when it ends. */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -38,6 +39,16 @@ static const unsigned char spin_acquire_lock[] = {
     0x0f, 0x05, 0xc3,                   /* syscall; ret */
 };
 
+/* Gum's spin lock, which never yields (gum_spinlock_acquire) */
+static const unsigned char gum_spinlock_acquire[] = {
+    0x31, 0xd2,                         /* xor edx, edx */
+    0xb9, 0x01, 0, 0, 0,                /* mov ecx, 1 */
+    0x89, 0xd0,                         /* loop: mov eax, edx */
+    0xf0, 0x0f, 0xb1, 0x0f,             /* lock cmpxchg [rdi], ecx */
+    0x75, 0xf8,                         /* jne loop */
+    0xc3,                               /* ret */
+};
+
 static volatile int lock = 1; /* "held" by a thread the child does not have */
 
 static void *idle(void *arg) {
@@ -48,12 +59,15 @@ static void *idle(void *arg) {
 int main(int argc, char **argv) {
   const char *how = argc > 1 ? argv[1] : "frida";
   int fd = memfd_create("frida-agent-64.so", 0);
-  if (fd < 0 || write(fd, spin_acquire_lock, sizeof spin_acquire_lock) < 0)
+  if (fd < 0 || write(fd, spin_acquire_lock, sizeof spin_acquire_lock) < 0 ||
+      write(fd, gum_spinlock_acquire, sizeof gum_spinlock_acquire) < 0)
     return perror("memfd"), 2;
-  void (*acquire)(volatile int *) = (void (*)(volatile int *))mmap(
-      NULL, sizeof spin_acquire_lock, PROT_READ | PROT_EXEC, MAP_PRIVATE, fd, 0);
-  if (acquire == MAP_FAILED)
+  unsigned char *code = mmap(NULL, sizeof spin_acquire_lock + sizeof gum_spinlock_acquire,
+                             PROT_READ | PROT_EXEC, MAP_PRIVATE, fd, 0);
+  if (code == MAP_FAILED)
     return perror("mmap"), 2;
+  void (*acquire)(volatile int *) = (void (*)(volatile int *))(
+      strcmp(how, "gum") == 0 ? code + sizeof spin_acquire_lock : code);
   char line[8];
   printf("ready\n");
   fflush(stdout);

@@ -51,6 +51,13 @@ _SPIN_LOOP = re.compile(
 )
 _SPIN_LOOP_LEN = 30
 _AFTER_YIELD_CALL = 19  #: the return address of the sched_yield call, from the loop head
+#: gum_spinlock_acquire in frida-agent-64.so 17.x, which never yields: `xor edx,edx;
+#: mov ecx,1; loop: mov eax,edx; lock cmpxchg [rdi],ecx; jne loop; ret`.  The lock is rdi.
+#: A child forked while a thread of Frida's held one of Gum's spin locks (one guarding a
+#: table in the agent's data, taken in Frida's exit() hook) spun in it for good, and its
+#: parent waited for it (forkloop 400 2000, attached for 1 s: 1 of some 150).
+_GUM_SPIN = b"\x31\xd2\xb9\x01\x00\x00\x00\x89\xd0\xf0\x0f\xb1\x0f\x75\xf8\xc3"
+_GUM_SPIN_LOOP = range(7, 15)  #: where in it the pc spins
 
 
 def child_pids(pid: int) -> set[int]:
@@ -196,13 +203,17 @@ def _read(pid: int, address: int, size: int) -> bytes:
 
 
 def _spin_lock(pid: int, regs: pt.Regs) -> int | None:
-    """The address of the Frida heap lock the stopped `pid` spins on, or None if it is not
-    in that loop: its pc in the loop, or in the sched_yield() the loop calls."""
+    """The address of the spin lock of Frida's the stopped `pid` spins on, or None if it is
+    not in such a loop: its pc in the heap lock's loop, or in the sched_yield() that loop
+    calls, or in Gum's spin loop."""
     pc = regs["rip"]
     if _agent_code(pid, pc):
         for head in range(pc - _SPIN_LOOP_LEN + 1, pc + 1):
             if _SPIN_LOOP.fullmatch(_read(pid, head, _SPIN_LOOP_LEN)):
                 return regs["rbx"]
+        for at in _GUM_SPIN_LOOP:
+            if _read(pid, pc - at, len(_GUM_SPIN)) == _GUM_SPIN:
+                return regs["rdi"]
     back = int.from_bytes(_read(pid, regs["rsp"], 8), "little")
     head = back - _AFTER_YIELD_CALL
     if _agent_code(pid, head) and _SPIN_LOOP.fullmatch(_read(pid, head, _SPIN_LOOP_LEN)):
@@ -242,8 +253,9 @@ def _let_go(pid: int) -> None:
 
 class HeldLock(NamedTuple):
     """A lock that a child waits on for good, held at its fork by a thread it does not have:
-    Frida's heap lock, which it spins on ("spin"); a pthread mutex taken by Frida's code
-    ("mutex"); or a lock of the C library's that its exit() takes ("libc")."""
+    Frida's heap lock or one of Gum's spin locks, which it spins on ("spin"); a pthread
+    mutex taken by Frida's code ("mutex"); or a lock of the C library's that its exit()
+    takes ("libc")."""
 
     address: int
     kind: str = "spin"
