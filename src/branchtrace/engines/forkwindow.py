@@ -55,7 +55,7 @@ _AFTER_YIELD_CALL = 19  #: the return address of the sched_yield call, from the 
 #: mov ecx,1; loop: mov eax,edx; lock cmpxchg [rdi],ecx; jne loop; ret`.  The lock is rdi.
 #: A child forked while a thread of Frida's held one of Gum's spin locks (one guarding a
 #: table in the agent's data, taken in Frida's exit() hook) spun in it for good, and its
-#: parent waited for it (forkloop 400 2000, attached for 1 s: 1 of some 150).
+#: parent waited for it (forkloop 400 2000, attached for 1 s: 1 run of 211).
 _GUM_SPIN = b"\x31\xd2\xb9\x01\x00\x00\x00\x89\xd0\xf0\x0f\xb1\x0f\x75\xf8\xc3"
 _GUM_SPIN_LOOP = range(7, 15)  #: where in it the pc spins
 
