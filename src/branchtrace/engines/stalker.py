@@ -526,9 +526,10 @@ def _let_go_asleep(pid: int, agent: _Agent, asleep: list[int]) -> list[int]:
     (asleep.let_go), so that Frida can unload its agent now and the process keeps no ring
     mapped; the threads that could not be let go of.  Those are tried again a few times
     (LET_GO_TRIES): a stop that comes too late under load, or a thread that woke meanwhile
-    and leaves by itself.  One asleep in the program's own code since before the attach
-    holds Frida's agent in nothing, so the detach went on without it, and its ring stayed
-    mapped in the process for good (seen once in a loaded CI run)."""
+    and leaves by itself.  One asleep in the program's own code holds Frida's agent in
+    nothing, so the detach goes on without it, and its ring stays mapped in the process
+    (_rings_left_behind; a CI run once left a main thread asleep in read() so, for a reason
+    not known)."""
     exports = agent.script.exports_sync
 
     def let_go_of(tid: int) -> bool:
@@ -576,7 +577,8 @@ def _rings_left_warning(process: str, tids: list[int]) -> str:
     return (
         f"{process} still maps the {'rings' if many else 'ring'} of "
         f"{'threads' if many else 'thread'} {', '.join(map(str, tids))} (asleep in a system "
-        "call, it could not be stopped to let go of it); nothing writes "
+        f"call where the recorder could not let go of {'them' if many else 'it'}); nothing "
+        "writes "
         f"{'them' if many else 'it'} any more, the trace is complete, and the mapping goes "
         "when the process ends"
     )
