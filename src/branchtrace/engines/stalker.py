@@ -108,8 +108,10 @@ DETACH_WAIT = 2.0
 #: 2.2 s (`loopers` and 4 to 6 other busy processes on 2 CPUs; 0.1 s otherwise)
 DETACH_PATIENCE = 10.0
 #: how many times the host tries to let go of a thread asleep at the end (_let_go_asleep),
-#: and the pause between two tries, in s
-LET_GO_TRIES, LET_GO_PAUSE = 3, 0.2
+#: and the pause between two tries, in s: short, because the program runs on meanwhile (a
+#: main thread in wait4() for children exiting every 5 ms, under --follow-fork, was let go
+#: of at its second or third try in 2 of 8 stops, 0.2 s apart)
+LET_GO_TRIES, LET_GO_PAUSE = 3, 0.05
 #: how often a recording of a running process looks for children stuck on Frida's locks
 FORK_CHECK_INTERVAL = 0.25
 #: how long a process found on its way out may take to end (dumping core)
