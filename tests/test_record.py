@@ -1290,12 +1290,12 @@ def test_a_program_that_forks_through_its_got_is_not_compiled_anew_after_each_fo
     assert abs(compiled[200] - compiled[20]) < 180, compiled  # 22 more a fork() before
 
 
-def test_attached_a_program_that_forks_through_its_got_is_not_compiled_anew_after_each_fork(
+def test_attached_to_a_program_that_forks_each_fork_is_a_gap_and_each_round_traced(
     tmp_path, programs
 ):
-    # the fork stub in a program attached to as well (before session 45 only in one
-    # branchtrace started): its loop is compiled once, not again after every fork()
-    compiled = {}
+    # (session 45 made the fork stub in attached programs too, and this test checked that
+    # the loop was compiled once; session 46 took the stub out of them again: docs/fork.md
+    # section 13)
     for rounds in (10, 100):
         out = tmp_path / f"d{rounds}"
         forkloop = programs["forkloop"]
@@ -1307,10 +1307,6 @@ def test_attached_a_program_that_forks_through_its_got_is_not_compiled_anew_afte
         (tid,) = trace.threads()
         assert trace.meta()["threads"][str(tid)]["gaps"] == {"fork": rounds}
         assert calls_to(trace, tid, forkloop, "round_done") == rounds
-        with Ring.open(trace.ring_path(tid)) as ring:
-            compiled[rounds] = ring._get("table_count")
-    # where the attach finds the program (inside read()) moves a few blocks either way
-    assert abs(compiled[100] - compiled[10]) < 90, compiled  # 39 more a fork() without
 
 
 def test_untraced_children_are_named_with_the_programs_they_exec(tmp_path):
