@@ -580,9 +580,8 @@ def _rings_left_warning(process: str, tids: list[int]) -> str:
         f"{process} still maps the {'rings' if many else 'ring'} of "
         f"{'threads' if many else 'thread'} {', '.join(map(str, tids))} (asleep in a system "
         f"call where the recorder could not let go of {'them' if many else 'it'}); nothing "
-        "writes "
-        f"{'them' if many else 'it'} any more, the trace is complete, and the mapping goes "
-        "when the process ends"
+        f"writes {'them' if many else 'it'} any more, the trace is complete, and the mapping "
+        "goes when the process ends"
     )
 
 
@@ -927,11 +926,7 @@ class _Recording:
         params = {
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
-            "spawn": spawn,
-            # only in a program we start: in one attached to, `slowfork` (always inside
-            # fork()) lost a child in 1 of 20-30 attaches with it, none in 50 without
-            # (docs/fork.md, section 13)
-            "forkStub": spawn,
+            "spawn": spawn,  # also: the fork stub only in a program we start (forkStub)
             "initOffset": init,
             "park": park,
             "triggers": [t.__dict__ for t in self.options.triggers],

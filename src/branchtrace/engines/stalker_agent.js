@@ -1,8 +1,8 @@
 'use strict';
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
-// PARAMS is prepended by the host: {cSource, mainRing, spawn, forkStub, initOffset, park,
-// triggers, snapshots, notesPath, spared}.
+// PARAMS is prepended by the host: {cSource, mainRing, spawn, initOffset, park, triggers,
+// snapshots, notesPath, spared}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Where this script's hooks are (leaveStalker).
@@ -275,12 +275,12 @@ const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
 // itself, not to the parent's compiled code, which the child must never run.  The stub is
 // mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
 // mark's slot points at a `ret`, so nothing comes through it into this script's code once
-// it may be unloaded.  Only in a program we start (PARAMS.forkStub): attached to
+// it may be unloaded.  Only in a program we start (PARAMS.spawn): attached to
 // `slowfork` with it, 1 run in 20-30 lost a child, none in 50 without.
 const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
   ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
   3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
-const forkStub = forkSlots.equals(ptr(-1)) || !PARAMS.forkStub ? null
+const forkStub = forkSlots.equals(ptr(-1)) || !PARAMS.spawn ? null
   : forkSlots.add(Process.pageSize);
 const MARK_SLOT = 0;
 const FORK_SLOT = 8;
