@@ -926,7 +926,9 @@ class _Recording:
         params = {
             "cSource": agent_c_source(),
             "mainRing": str(main_ring) if main_ring else None,
-            "spawn": spawn,  # also: the fork stub only in a program we start (forkStub)
+            "spawn": spawn,
+            # not in a forked child: its parent's stub is there already
+            "forkStub": forked_from is None,
             "initOffset": init,
             "park": park,
             "triggers": [t.__dict__ for t in self.options.triggers],

@@ -1,8 +1,8 @@
 'use strict';
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
-// PARAMS is prepended by the host: {cSource, mainRing, spawn, initOffset, park, triggers,
-// snapshots, notesPath, spared}.
+// PARAMS is prepended by the host: {cSource, mainRing, spawn, forkStub, initOffset, park,
+// triggers, snapshots, notesPath, spared}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Where this script's hooks are (leaveStalker).
@@ -275,12 +275,11 @@ const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
 // itself, not to the parent's compiled code, which the child must never run.  The stub is
 // mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
 // mark's slot points at a `ret`, so nothing comes through it into this script's code once
-// it may be unloaded.  Only in a program we start (PARAMS.spawn): attached to
-// `slowfork` with it, 1 run in 20-30 lost a child, none in 50 without.
+// it may be unloaded.
 const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
   ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
   3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
-const forkStub = forkSlots.equals(ptr(-1)) || !PARAMS.spawn ? null
+const forkStub = forkSlots.equals(ptr(-1)) || !PARAMS.forkStub ? null
   : forkSlots.add(Process.pageSize);
 const MARK_SLOT = 0;
 const FORK_SLOT = 8;
@@ -321,6 +320,15 @@ if (forkStub !== null) {
   Memory.protect(forkStub, Process.pageSize, 'r-x');
   Cloak.addRange({ base: forkSlots, size: 2 * Process.pageSize });
   Stalker.exclude({ base: inner, size: Process.pageSize - 64 });
+}
+// Only once the fork() hook is in place (below): a fork() entered through the stub before
+// that passes no hook, and a thread found inside it as tracing starts was taken for one
+// inside the hook's trampoline (the stub is cloaked, as that is), followed there from
+// outside, and its child died -- attached to slowfork, 1 run in 10-30 lost a child so.
+function routeForksThroughStub() {
+  if (forkStub === null) {
+    return;
+  }
   for (const module of Process.enumerateModules()) {
     for (const imported of module.enumerateImports()) {
       const range = imported.name === 'fork' && imported.slot
@@ -596,6 +604,7 @@ new NativeFunction(cm.bt_note_set_handlers, 'void', [])();
 // it, with --follow-fork: then this script lives on in the child too, doing nothing there).
 attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
 let forkDone = attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
+routeForksThroughStub();
 
 // A spawned program is traced from the first of these its main thread runs: the
 // executable's _init, where Frida holds it (libc calls _init right before the executable's
