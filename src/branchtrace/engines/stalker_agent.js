@@ -276,6 +276,46 @@ const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
 // mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
 // mark's slot points at a `ret`, so nothing comes through it into this script's code once
 // it may be unloaded.
+// A program built with -fno-plt calls fork() through its .got entry (R_X86_64_GLOB_DAT), for
+// which Frida reports no import slot: found by the address the dynamic linker wrote there,
+// once, before anything here writes another.
+function gotSlotsHolding(target) {
+  const slots = [];
+  for (const module of Process.enumerateModules()) {
+    let sections = [];
+    try {
+      sections = module.enumerateSections();
+    } catch (e) {
+      continue; // its calls of fork() take the hook's way
+    }
+    for (const section of sections) {
+      if (section.name !== '.got') {
+        continue;
+      }
+      for (let at = 0; at + Process.pointerSize <= section.size; at += Process.pointerSize) {
+        if (section.address.add(at).readPointer().equals(target)) {
+          slots.push(section.address.add(at));
+        }
+      }
+    }
+  }
+  return slots;
+}
+const forkGotSlots = gotSlotsHolding(libc('fork'));
+// The GOT slots the program's calls of fork() go through: its PLT's (modules loaded since
+// too) and those of -fno-plt code.
+// Each once: gateForks saves what a slot holds before it writes the gate there.
+function forkCallSlots() {
+  const slots = new Map(forkGotSlots.map((slot) => [slot.toString(), slot]));
+  for (const module of Process.enumerateModules()) {
+    for (const imported of module.enumerateImports()) {
+      if (imported.name === 'fork' && imported.slot) {
+        slots.set(imported.slot.toString(), imported.slot);
+      }
+    }
+  }
+  return [...slots.values()];
+}
 const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
   ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
   3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
@@ -329,14 +369,11 @@ function routeForksThroughStub() {
   if (forkStub === null) {
     return;
   }
-  for (const module of Process.enumerateModules()) {
-    for (const imported of module.enumerateImports()) {
-      const range = imported.name === 'fork' && imported.slot
-        ? Process.findRangeByAddress(imported.slot) : null;
-      if (range !== null && Memory.protect(imported.slot, Process.pointerSize, 'rw-')) {
-        imported.slot.writePointer(forkStub); // else its fork() calls take the hook's way
-        Memory.protect(imported.slot, Process.pointerSize, range.protection);
-      }
+  for (const slot of forkCallSlots()) {
+    const range = Process.findRangeByAddress(slot);
+    if (range !== null && Memory.protect(slot, Process.pointerSize, 'rw-')) {
+      slot.writePointer(forkStub); // else its fork() calls take the hook's way
+      Memory.protect(slot, Process.pointerSize, range.protection);
     }
   }
 }
@@ -741,20 +778,15 @@ function gateForks() {
     return;
   }
   gateOn = true;
-  for (const module of Process.enumerateModules()) {
-    for (const imported of module.enumerateImports()) {
-      if (imported.name !== 'fork' || !imported.slot) {
-        continue;
-      }
-      const range = Process.findRangeByAddress(imported.slot);
-      if (range === null) {
-        continue;
-      }
-      gated.push([imported.slot, imported.slot.readPointer(), range.protection]);
-      Memory.protect(imported.slot, Process.pointerSize, 'rw-');
-      imported.slot.writePointer(cm.bt_fork_gate);
-      Memory.protect(imported.slot, Process.pointerSize, range.protection);
+  for (const slot of forkCallSlots()) {
+    const range = Process.findRangeByAddress(slot);
+    if (range === null) {
+      continue;
     }
+    gated.push([slot, slot.readPointer(), range.protection]);
+    Memory.protect(slot, Process.pointerSize, 'rw-');
+    slot.writePointer(cm.bt_fork_gate);
+    Memory.protect(slot, Process.pointerSize, range.protection);
   }
 }
 function ungateForks() {
