@@ -265,17 +265,6 @@ const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const holdForksAtEntry = new NativeFunction(cm.bt_hold_forks_at_entry, 'int', ['int']);
 const forksInFlight = new NativeFunction(cm.bt_forks_in_flight, 'int', []);
 const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
-// A followed thread that calls fork() is unfollowed in its hook and followed again after
-// it (beforeFork), and Stalker then compiles for it anew all the code it runs: a shell, its
-// loop after every subshell (bash, 500 subshells: 18 s, against 0.25 s untraced).  A call
-// to code Stalker leaves out (Stalker.exclude) runs natively and comes back to what Stalker
-// had compiled.  So the program's calls of fork() through its GOT go through this stub:
-// `outer`, followed, calls `inner`, left out, which marks the thread for the hook
-// (bt_fork_mark) and calls fork() (bash: 2.4 s).  In the child, `inner` returns to `outer`
-// itself, not to the parent's compiled code, which the child must never run.  The stub is
-// mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
-// mark's slot points at a `ret`, so nothing comes through it into this script's code once
-// it may be unloaded.
 // A program built with -fno-plt calls fork() through its .got entry (R_X86_64_GLOB_DAT), for
 // which Frida reports no import slot: found by the address the dynamic linker wrote there,
 // once, before anything here writes another.
@@ -303,8 +292,8 @@ function gotSlotsHolding(target) {
 }
 const forkGotSlots = gotSlotsHolding(libc('fork'));
 // The GOT slots the program's calls of fork() go through: its PLT's (modules loaded since
-// too) and those of -fno-plt code.
-// Each once: gateForks saves what a slot holds before it writes the gate there.
+// too) and those of -fno-plt code; each once, as gateForks saves what a slot holds before
+// it writes the gate there.
 function forkCallSlots() {
   const slots = new Map(forkGotSlots.map((slot) => [slot.toString(), slot]));
   for (const module of Process.enumerateModules()) {
@@ -316,6 +305,17 @@ function forkCallSlots() {
   }
   return [...slots.values()];
 }
+// A followed thread that calls fork() is unfollowed in its hook and followed again after
+// it (beforeFork), and Stalker then compiles for it anew all the code it runs: a shell, its
+// loop after every subshell (bash, 500 subshells: 18 s, against 0.25 s untraced).  A call
+// to code Stalker leaves out (Stalker.exclude) runs natively and comes back to what Stalker
+// had compiled.  So the program's calls of fork() through its GOT go through this stub:
+// `outer`, followed, calls `inner`, left out, which marks the thread for the hook
+// (bt_fork_mark) and calls fork() (bash: 2.4 s).  In the child, `inner` returns to `outer`
+// itself, not to the parent's compiled code, which the child must never run.  The stub is
+// mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
+// mark's slot points at a `ret`, so nothing comes through it into this script's code once
+// it may be unloaded.
 const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
   ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
   3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
