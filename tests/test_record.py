@@ -2476,21 +2476,28 @@ def test_the_tool_killed_while_it_follows_a_spawned_programs_forks_leaves_it_for
     # program and its children where it ended the program at Ctrl-C; before, a SIGKILL
     # 1.1-1.9 s into `forkloop 40 20000` killed the program in 3 runs of 8.  (300 rounds
     # were once all done before the recorder, killed at 1 s, had stopped: CI, loaded)
-    rounds, out, forkloop = 600, tmp_path / "d", programs["forkloop"]
+    rounds, forkloop = 600, programs["forkloop"]
     options = ["--mode", "wrap", "--buffer-size", "512K", "--follow-fork"]
-    tool = subprocess.Popen(
-        [*BT, "record", "-o", str(out), *options, "--", str(forkloop), str(rounds), "5000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert tool.stdout.readline().startswith("ready")  # forking from now on, every 5 ms
-    started = tool.stderr.readline()
-    assert "Ctrl-C to stop" in started, started + tool.stderr.read()
-    time.sleep(1)
-    printed = kill_tool(tool, close_stderr=False)
-    err = tool.stderr.read()  # to its end: the recorder's, once it has finished
-    tool.stderr.close()
+    # Once more if Frida broke the program itself: a fault inside Frida's recovery from a
+    # fork() (its bug, which the tool names; a CI run met it here, session 47) leaves the
+    # program stopped for good, and nothing here to test.
+    for attempt in range(2):
+        out = tmp_path / f"d{attempt}"
+        tool = subprocess.Popen(
+            [*BT, "record", "-o", str(out), *options, "--", str(forkloop), str(rounds), "5000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert tool.stdout.readline().startswith("ready")  # forking from now on, every 5 ms
+        started = tool.stderr.readline()
+        assert "Ctrl-C to stop" in started, started + tool.stderr.read()
+        time.sleep(1)
+        printed = kill_tool(tool, close_stderr=False)
+        err = tool.stderr.read()  # to its end: the recorder's, once it has finished
+        tool.stderr.close()
+        if "faulted inside Frida's recovery from a fork()" not in err:
+            break
     assert printed.split() == [str(rounds)], started + err  # every child exited 0
     assert "was killed; its recorder stopped and detached" in err, started + err
     assert f"detached from {forkloop}; it keeps running" in err, started + err
