@@ -294,6 +294,18 @@ const forkGotSlots = gotSlotsHolding(libc('fork'));
 // The GOT slots the program's calls of fork() go through: its PLT's (modules loaded since
 // too) and those of -fno-plt code; each once, as gateForks saves what a slot holds before
 // it writes the gate there.
+// Writes `value` into the GOT slot `slot`, whose page may be read-only (RELRO): what the slot
+// held, or null if it could not.
+function writeSlot(slot, value) {
+  const range = Process.findRangeByAddress(slot);
+  if (range === null || !Memory.protect(slot, Process.pointerSize, 'rw-')) {
+    return null;
+  }
+  const held = slot.readPointer();
+  slot.writePointer(value);
+  Memory.protect(slot, Process.pointerSize, range.protection);
+  return held;
+}
 function forkCallSlots() {
   const slots = new Map(forkGotSlots.map((slot) => [slot.toString(), slot]));
   for (const module of Process.enumerateModules()) {
@@ -315,7 +327,8 @@ function forkCallSlots() {
 // itself, not to the parent's compiled code, which the child must never run.  The stub is
 // mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
 // mark's slot points at a `ret`, so nothing comes through it into this script's code once
-// it may be unloaded.
+// it may be unloaded; in a program attached to, the GOT keeps pointing at it after the
+// detach.  Not in a forked child (PARAMS.forkStub): it goes on through its parent's copy.
 const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
   ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
   3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
@@ -370,11 +383,7 @@ function routeForksThroughStub() {
     return;
   }
   for (const slot of forkCallSlots()) {
-    const range = Process.findRangeByAddress(slot);
-    if (range !== null && Memory.protect(slot, Process.pointerSize, 'rw-')) {
-      slot.writePointer(forkStub); // else its fork() calls take the hook's way
-      Memory.protect(slot, Process.pointerSize, range.protection);
-    }
+    writeSlot(slot, forkStub); // else its fork() calls take the hook's way
   }
 }
 // BtState.fork_mark_slot and fork_noop (NULL: no stub, every fork() takes the hook's way)
@@ -771,7 +780,7 @@ function findForksBegunBefore(tids) {
 
 // The program's calls of fork() go through bt_fork_gate (stalker_agent.c) while forks are
 // held: each GOT slot of fork() points there meanwhile.
-const gated = []; // [slot, what it held, the protection of its page]
+const gated = []; // [slot, what it held]
 let gateOn = false; // the host asks again every millisecond while it waits
 function gateForks() {
   if (gateOn) {
@@ -779,22 +788,16 @@ function gateForks() {
   }
   gateOn = true;
   for (const slot of forkCallSlots()) {
-    const range = Process.findRangeByAddress(slot);
-    if (range === null) {
-      continue;
+    const held = writeSlot(slot, cm.bt_fork_gate);
+    if (held !== null) {
+      gated.push([slot, held]);
     }
-    gated.push([slot, slot.readPointer(), range.protection]);
-    Memory.protect(slot, Process.pointerSize, 'rw-');
-    slot.writePointer(cm.bt_fork_gate);
-    Memory.protect(slot, Process.pointerSize, range.protection);
   }
 }
 function ungateForks() {
   gateOn = false;
-  for (const [slot, original, protection] of gated.splice(0)) {
-    Memory.protect(slot, Process.pointerSize, 'rw-');
-    slot.writePointer(original);
-    Memory.protect(slot, Process.pointerSize, protection);
+  for (const [slot, original] of gated.splice(0)) {
+    writeSlot(slot, original);
   }
 }
 
