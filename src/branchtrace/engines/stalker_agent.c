@@ -187,7 +187,7 @@ typedef struct {
   int forks_held;        /* bt_hold_forks(): fork() waits at its entry meanwhile */
   int forks_in_flight;   /* threads between fork()'s entry and its end (bt_on_fork_done) */
   volatile int parked;   /* the parked thread's tid, once it waits (park() in the script) */
-  int unused;            /* keeps the offsets the script writes (PARKED + 8 ...) */
+  int fork_turn;         /* the tid of the thread whose fork() Frida handles (take_fork_turn) */
   int forks_gated;       /* bt_fork_gate(): fork() calls wait before fork() meanwhile */
   int forks_passing;     /* threads past that gate and not yet back from fork() */
   int returns_held;      /* bt_on_fork_return(): threads out of a fork() begun before the
@@ -210,6 +210,8 @@ typedef struct {
   /* the fork stub's slot for bt_fork_mark, and a `ret` of the stub (forkStub in the script) */
   uint64_t *fork_mark_slot;
   uint64_t fork_noop;
+  int fork_turns;        /* fork()s take turns (bt_fork_turns) */
+  int fork_turns_pad;
 } BtState;
 
 extern uint8_t bt_state[];
@@ -939,6 +941,69 @@ extern void bt_before_fork(void);
 extern void bt_after_fork(void);
 void bt_release_faults(void);
 
+/* System calls made inline: a thread followed again must not be seen calling into libc
+   (bt_on_fork_done). */
+static long raw_syscall3(long number, long a, long b, long c) {
+  long result;
+  __asm__ __volatile__("syscall"
+                       : "=a"(result)
+                       : "a"(number), "D"(a), "S"(b), "d"(c)
+                       : "rcx", "r11", "memory");
+  return result;
+}
+
+/* Returns what the word held: `desired` went in if that is `expected`. */
+static int swap_int(int *word, int expected, int desired) {
+  int before;
+  __asm__ __volatile__("lock cmpxchgl %2, (%1)"
+                       : "=a"(before)
+                       : "r"(word), "r"(desired), "a"(expected)
+                       : "memory", "cc");
+  return before;
+}
+
+/* Under child gating (--follow-fork) Frida's own fork() hook handles one fork() at a time
+   and no more: it stops and restarts the agent's one thread, and keeps the fork()'s ids
+   with the host in single fields.  Two threads forking at once killed the program in
+   Frida's code (abort() on "Invalid ID" from the host, or SIGSEGV), plain Frida as well
+   (docs/fork.md section 15).  So from the moment Frida's hook is in (bt_fork_turns) a
+   fork() waits at its entry, ahead of Frida's listener, until no other is between that
+   entry and the end of Frida's recovery (bt_on_fork_done).  A turn whose thread is gone
+   is taken over; one left held because this script was unloaded while its thread was
+   inside fork() (its bt_on_fork_done never runs) ends with bt_fork_turns(0), which the
+   script's dispose() calls, and the threads waiting go on: Frida's hook is gone by then. */
+static void take_fork_turn(void) {
+  int me = (int)raw_syscall3(186 /* gettid */, 0, 0, 0), owner;
+  while (g_atomic_int_add(&STATE->fork_turns, 0) &&
+         (owner = swap_int(&STATE->fork_turn, 0, me)) != 0 && owner != me) {
+    if (raw_syscall3(234 /* tgkill */, STATE->pid, owner, 0) == -3 /* ESRCH */)
+      swap_int(&STATE->fork_turn, owner, 0);
+    else
+      bt_futex_wait((uint32_t *)&STATE->fork_turn, owner, 1000000);
+  }
+}
+
+static void give_fork_turn(void) {
+  int me = (int)raw_syscall3(186 /* gettid */, 0, 0, 0);
+  if (swap_int(&STATE->fork_turn, me, 0) == me)
+    raw_syscall3(202 /* futex */, (long)&STATE->fork_turn, 1 /* FUTEX_WAKE */, 0x7fffffff);
+}
+
+void bt_fork_turn(int take) {
+  if (take)
+    take_fork_turn();
+  else
+    give_fork_turn();
+}
+
+void bt_fork_turns(int on) {
+  g_atomic_int_add(&STATE->fork_turns, (on ? 1 : 0) - g_atomic_int_add(&STATE->fork_turns, 0));
+  if (!on) {
+    g_atomic_int_add(&STATE->fork_turn, -g_atomic_int_add(&STATE->fork_turn, 0));
+    raw_syscall3(202 /* futex */, (long)&STATE->fork_turn, 1 /* FUTEX_WAKE */, 0x7fffffff);
+  }
+}
+
 void bt_on_fork_enter(GumInvocationContext *ic) {
   if (in_forked_child())
     return;
@@ -950,6 +1015,7 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
     while (g_atomic_int_add(&STATE->forks_held, 0))
       bt_futex_wait((uint32_t *)&STATE->forks_held, 1, 1000000);
   }
+  take_fork_turn();
   bt_before_fork();
 }
 
@@ -980,10 +1046,13 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
    Frida's (forkDoneLast).  The thread is followed again by now, so nothing here may call
    into a library (in_forked_child() calls getpid(), which the trace would show the
    program calling).  In the traced process every fork() was counted at its entry, so the
-   count is above 0 here; what a forked child does to its copy of it does not matter. */
+   count is above 0 here; what a forked child does to its copy of it does not matter.  The
+   next fork() may go to Frida's hook from here (take_fork_turn). */
 void bt_on_fork_done(GumInvocationContext *ic) {
-  if ((gssize)gum_invocation_context_get_return_value(ic) != 0 &&
-      g_atomic_int_add(&STATE->forks_in_flight, 0) > 0)
+  if ((gssize)gum_invocation_context_get_return_value(ic) == 0)
+    return;
+  give_fork_turn();
+  if (g_atomic_int_add(&STATE->forks_in_flight, 0) > 0)
     g_atomic_int_add(&STATE->forks_in_flight, -1);
 }
 

@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 800); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 808); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -263,6 +263,19 @@ const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', '
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
 const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const holdForksAtEntry = new NativeFunction(cm.bt_hold_forks_at_entry, 'int', ['int']);
+const forkTurns = new NativeFunction(cm.bt_fork_turns, 'void', ['int']);
+forkTurns(0); // not yet: Frida's fork() hook is not in (forkDoneLast)
+const forkTurn = new NativeFunction(cm.bt_fork_turn, 'void', ['int']);
+// A message sent while a fork() is under child gating is delivered in the child too, which
+// dies of it (docs/fork.md section 2); a new thread's first message waits for its turn.
+function sendBetweenForks(message) {
+  forkTurn(1);
+  try {
+    send(message);
+  } finally {
+    forkTurn(0);
+  }
+}
 const forksInFlight = new NativeFunction(cm.bt_forks_in_flight, 'int', []);
 const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
 // A program built with -fno-plt calls fork() through its .got entry (R_X86_64_GLOB_DAT), for
@@ -575,13 +588,13 @@ function followNewThread() {
   }
   const own = handed.slice(0, handed.lastIndexOf('/') + 1) + `T${tid}.bts`;
   const named = renameNoReplace(handed, own) ? own : null;
-  send({ type: 'thread-start', tid, handed, named });
+  sendBetweenForks({ type: 'thread-start', tid, handed, named });
   Stalker.follow(tid, { transform: cm.transform, data: t });
 }
 
 // Without a ring handed ahead the thread asks the host for one, waiting for the answer.
 function askForRing(tid) {
-  send({ type: 'thread-start', tid });
+  sendBetweenForks({ type: 'thread-start', tid });
   let reply = null;
   recv(`ring:${tid}`, (m) => { reply = m; }).wait();
   Stalker.garbageCollect(); // see takeSpare
@@ -845,6 +858,7 @@ rpc.exports = {
     const last = attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
     forkDone.detach();
     forkDone = last;
+    forkTurns(1);
   },
   // hold new fork()s (bt_hold_forks); how many are still under way
   holdForks(how) {
@@ -938,8 +952,11 @@ rpc.exports = {
   // away leaves the unload to Frida, which lets go of the threads (the program runs on,
   // its rings in the trace directory).
   dispose(reason) {
-    if (inTracedProcess() && reason !== 'exit' && reason !== 'exec') {
-      finish();
+    if (reason !== 'exit' && reason !== 'exec') {
+      forkTurns(0); // Frida's fork() hook is gone (bt_fork_turns)
+      if (inTracedProcess()) {
+        finish();
+      }
     }
   },
 };
