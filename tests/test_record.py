@@ -113,6 +113,11 @@ def warnings_in(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("branchtrace: warning:")]
 
 
+#: what the tool says of a child that faulted inside Frida's recovery from a fork() (a bug of
+#: Frida's; it kills the child, so that its parent goes on)
+FRIDA_FAULT = "faulted inside Frida's recovery from a fork()"
+
+
 def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
     address = modules(trace, tid).runtime_address(program.name, function)
     assert address is not None, f"{function} not found in {program}"
@@ -1580,12 +1585,17 @@ def test_follow_fork_the_threads_of_each_child_are_traced_exactly(tmp_path, prog
 
 def test_follow_fork_threads_forking_at_the_same_moment_each_keep_their_child(tmp_path, programs):
     # Frida's own fork() handling (child gating) takes one fork() at a time: two at once
-    # killed the program (SIGTRAP, "Invalid ID" or "The connection is closed" from Frida)
-    # until fork()s took turns under it (take_fork_turn in stalker_agent.c)
+    # killed the program (SIGTRAP, "Invalid ID" or "The connection is closed" from Frida),
+    # or hung it, until fork()s took turns under it (take_fork_turn in stalker_agent.c)
     exe = programs["threadforks"]
-    res = record(tmp_path / "d", "--follow-fork", "--", str(exe), "4", "5")
+    # once more if Frida broke a child itself: a fault inside its recovery from a fork(),
+    # which the tool names, then kills the child so that the program can go on
+    for attempt in range(2):
+        res = record(tmp_path / f"d{attempt}", "--follow-fork", "--", str(exe), "4", "5")
+        if FRIDA_FAULT not in res.stderr:
+            break
     assert res.returncode == 0 and res.stdout == "5 5 5 5\n", res.stderr
-    trace = TraceDir.open(tmp_path / "d")
+    trace = TraceDir.open(tmp_path / f"d{attempt}")
     meta = trace.meta()
     parent = meta["pid"]
     assert len(meta["processes"]) == 20, res.stderr
@@ -1732,40 +1742,6 @@ def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, progr
     # Frida dropped the program's session in 4 of 10 such attaches before the parked thread
     assert "dropped" not in res.stderr, res.stderr
     assert meta["threads"][str(target.pid)]["records"] > 0, res.stderr
-
-
-def test_attached_with_follow_fork_threads_forking_at_the_same_moment_live_on(tmp_path, programs):
-    # attached for 3 s with --follow-fork to 4 threads that fork at the same moment, round
-    # after round: the program was killed in Frida's code 13 attaches of 13 before fork()s
-    # took turns under Frida's hook; and a child died at its first fork() (1 in 3) while new
-    # threads sent their first message, until that waited for its turn too
-    exe, rounds = programs["threadforks"], 40
-    # once more if Frida broke a child itself (a fault inside its recovery from a fork(),
-    # which the tool names, then kills the child so that the program can go on)
-    for attempt in range(2):
-        out, go = tmp_path / f"d{attempt}", tmp_path / f"go{attempt}"
-        with attach_target(exe, 4, rounds, go) as target:
-            options = ["--follow-fork", "--duration", "3", "-p", str(target.pid)]
-            tool = subprocess.Popen(
-                [*BT, "record", "-o", str(out), *options], stderr=subprocess.PIPE, text=True
-            )
-            started = tool.stderr.readline()
-            assert "Ctrl-C to stop and detach" in started, started + tool.stderr.read()
-            go.touch()  # the threads start, and fork from now on
-            _, err = tool.communicate(timeout=120)
-            res = subprocess.CompletedProcess(tool.args, tool.returncode, "", started + err)
-            printed = output_after(target, res)
-        if "faulted inside Frida's recovery from a fork()" not in err:
-            break
-    assert printed.split() == [str(rounds)] * 4 and target.returncode == 0, res.stderr
-    assert res.returncode == 0, res.stderr
-    trace = TraceDir.open(out)
-    meta = trace.meta()
-    children = [int(p) for p, e in meta["processes"].items() if e.get("exit_code") == 0]
-    traced = [c for c in children if "untraced" not in meta["processes"][str(c)]]
-    assert len(traced) >= 8, (meta["processes"], res.stderr)
-    # thread i's children call f i + 2 times
-    assert {calls_to(trace, child, exe, "f") for child in traced} <= {2, 3, 4, 5}, res.stderr
 
 
 def test_attached_with_follow_fork_to_a_program_inside_fork_it_and_its_children_live(
@@ -2553,7 +2529,7 @@ def test_the_tool_killed_while_it_follows_a_spawned_programs_forks_leaves_it_for
         printed = kill_tool(tool, close_stderr=False)
         err = tool.stderr.read()  # to its end: the recorder's, once it has finished
         tool.stderr.close()
-        if "faulted inside Frida's recovery from a fork()" not in err:
+        if FRIDA_FAULT not in err:
             break
     assert printed.split() == [str(rounds)], started + err  # every child exited 0
     assert "was killed; its recorder stopped and detached" in err, started + err

@@ -1,26 +1,26 @@
 /* THREADS (argv[1], 4) threads fork at the same moment, ROUNDS (argv[2], 5) times: each
    round they meet at a barrier, then each forks a child that calls f exactly i + 2 times
    (i: the thread's index) and exits 0, and waits for it.  Then main prints, for each
-   thread, how many of its children exited 0.  With argv[3], the threads start only once
-   that file exists (so a recorder can attach first) and each round is followed by 1 ms of
-   sleep. */
+   thread, how many of its children exited 0.  The threads first meet and wait 200 ms, so
+   that no fork() meets a thread starting (docs/fork.md section 15: that is a hazard of its
+   own under --follow-fork). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 volatile long sink;
 __attribute__((noinline)) void f(long i) { sink += i; }
 
 static int rounds = 5;
-static int pace;
 static int ok[64];
 static pthread_barrier_t together;
 
 static void *forker(void *arg) {
   long index = (long)arg;
+  pthread_barrier_wait(&together);
+  usleep(200000);
   for (int r = 0; r < rounds; r++) {
     pthread_barrier_wait(&together);
     pid_t child = fork();
@@ -33,10 +33,6 @@ static void *forker(void *arg) {
       ok[index]++;
     else
       fprintf(stderr, "thread %ld round %d: child %d status %#x\n", index, r, child, status);
-    if (pace) {
-      struct timespec ms = {0, 1000000};
-      nanosleep(&ms, NULL);
-    }
   }
   return NULL;
 }
@@ -45,12 +41,6 @@ int main(int argc, char **argv) {
   int threads = argc > 1 ? atoi(argv[1]) : 4;
   if (argc > 2) rounds = atoi(argv[2]);
   if (threads < 1 || threads > 64) return 2;
-  if (argc > 3) {
-    printf("ready %d\n", getpid());
-    fflush(stdout);
-    while (access(argv[3], F_OK) != 0) usleep(1000);
-    pace = 1;
-  }
   pthread_barrier_init(&together, NULL, threads);
   pthread_t t[64];
   for (long i = 0; i < threads; i++) pthread_create(&t[i], NULL, forker, (void *)i);
