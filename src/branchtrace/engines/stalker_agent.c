@@ -211,7 +211,6 @@ typedef struct {
   uint64_t *fork_mark_slot;
   uint64_t fork_noop;
   int fork_turns;        /* fork()s take turns (bt_fork_turns) */
-  int fork_turns_pad;
 } BtState;
 
 extern uint8_t bt_state[];
@@ -973,6 +972,8 @@ static int swap_int(int *word, int expected, int desired) {
    inside fork() (its bt_on_fork_done never runs) ends with bt_fork_turns(0), which the
    script's dispose() calls, and the threads waiting go on: Frida's hook is gone by then. */
 static void take_fork_turn(void) {
+  if (!g_atomic_int_add(&STATE->fork_turns, 0))
+    return; /* without --follow-fork: no system call on the way into fork() */
   int me = (int)raw_syscall3(186 /* gettid */, 0, 0, 0), owner;
   while (g_atomic_int_add(&STATE->fork_turns, 0) &&
          (owner = swap_int(&STATE->fork_turn, 0, me)) != 0 && owner != me) {
@@ -983,10 +984,16 @@ static void take_fork_turn(void) {
   }
 }
 
+static void wake_turn_waiters(void) {
+  raw_syscall3(202 /* futex */, (long)&STATE->fork_turn, 1 /* FUTEX_WAKE */, 0x7fffffff);
+}
+
 static void give_fork_turn(void) {
+  if (!g_atomic_int_add(&STATE->fork_turn, 0))
+    return; /* nobody's turn: not a thread of ours to ask its id */
   int me = (int)raw_syscall3(186 /* gettid */, 0, 0, 0);
   if (swap_int(&STATE->fork_turn, me, 0) == me)
-    raw_syscall3(202 /* futex */, (long)&STATE->fork_turn, 1 /* FUTEX_WAKE */, 0x7fffffff);
+    wake_turn_waiters();
 }
 
 void bt_fork_turn(int take) {
@@ -1000,7 +1007,7 @@ void bt_fork_turns(int on) {
   g_atomic_int_add(&STATE->fork_turns, (on ? 1 : 0) - g_atomic_int_add(&STATE->fork_turns, 0));
   if (!on) {
     g_atomic_int_add(&STATE->fork_turn, -g_atomic_int_add(&STATE->fork_turn, 0));
-    raw_syscall3(202 /* futex */, (long)&STATE->fork_turn, 1 /* FUTEX_WAKE */, 0x7fffffff);
+    wake_turn_waiters();
   }
 }
 
