@@ -939,6 +939,7 @@ static void disarm_inherited_altstack(void) {
 extern void bt_before_fork(void);
 extern void bt_after_fork(void);
 void bt_release_faults(void);
+static int read_safely(const void *addr, void *out, uint64_t n);
 
 /* System calls made inline: a thread followed again must not be seen calling into libc
    (bt_on_fork_done). */
@@ -1026,6 +1027,41 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
   bt_before_fork();
 }
 
+/* A forked child inherits Stalker's contexts of the parent's threads, and when Frida flushes
+   this script there, Gum stops Stalker: it unfollows every context still active, and one
+   whose thread it takes for not yet started it unfollows from outside, through its helper
+   that ptraces the thread by id -- in the child an id that names a thread of the parent.
+   A thread followed from outside as tracing began (attaching) stays so, and the parent's
+   main thread waits in a ptrace stop of its child's helper: when Frida's injector came to
+   re-create the parent's agent thread after that fork(), it found the process "traced by
+   another process", and the parent died in Frida's recovery (agent+0x31d855; attached with
+   --follow-fork to a thread that ran before the attach and forked: 4 of 6 attaches, and
+   the same helpers, their parent a child, seen tracing the parent's threads;
+   docs/fork.md section 16).  So the child marks them destroy-pending first, with no thread
+   to wait for: Gum frees them and touches no thread.  That is Gum 17's private layout
+   (GumStalker.contexts, a GSList, at +0xb0; GumExecCtx.state at 0 and .stalker at 16):
+   only once widen_inline_cache() has checked the object, and only when every context in
+   the list reads back as this Stalker's. */
+static void drop_inherited_contexts(void) {
+  uint8_t *stalker = STATE->stalker, **first = NULL, **node;
+  if (stalker == NULL || !read_safely(stalker + 0xb0, &first, 8))
+    return;
+  int n = 0;
+  for (node = first; node != NULL; node = (uint8_t **)node[1]) {
+    uint8_t *entry[2], *owner;
+    if (++n > 65536 || !read_safely(node, entry, 16) || entry[0] == NULL
+        || !read_safely(entry[0] + 16, &owner, 8) || owner != stalker)
+      return;
+  }
+  for (node = first; node != NULL; node = (uint8_t **)node[1]) {
+    uint8_t *ctx = node[0];
+    if (*(volatile int *)ctx == 0 /* GUM_EXEC_CTX_ACTIVE */) {
+      *(int64_t *)(ctx + 8) = 0; /* destroy_pending_since: long ago */
+      *(volatile int *)ctx = 2;  /* GUM_EXEC_CTX_DESTROY_PENDING */
+    }
+  }
+}
+
 void bt_on_fork_leave(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0) {
     /* the child's fork() calls go on through its copy of the fork stub, which must not call
@@ -1037,6 +1073,7 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     bt_release_faults(); /* Frida frees this code in the child */
     disarm_inherited_altstack();
+    drop_inherited_contexts();
     return;
   }
   if (!in_forked_child())
@@ -1429,7 +1466,6 @@ static void on_close(GumCpuContext *cpu, gpointer user_data) {
    branches are not recorded.  Each handler the program installs gets an entry hook that
    marks the gap in the interrupted thread's trace; it is never silent. */
 extern int bt_new_handler(void *handler);
-static int read_safely(const void *addr, void *out, uint64_t n);
 uint64_t bt_fault_restorer(void);
 
 /* Frida writes a hook into the code at the end of its outermost transaction, which another
