@@ -1027,22 +1027,23 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
   bt_before_fork();
 }
 
-/* A forked child inherits Stalker's contexts of the parent's threads, and when Frida flushes
-   this script there, Gum stops Stalker: it unfollows every context still active, and one
+/* A forked child inherits Stalker's contexts of the parent's threads.  When Frida flushes
+   this script there, Gum stops Stalker: it unfollows each context still active, and one
    whose thread it takes for not yet started it unfollows from outside, through its helper
-   that ptraces the thread by id -- in the child an id that names a thread of the parent.
-   A thread followed from outside as tracing began (attaching) stays so, and the parent's
-   main thread waits in a ptrace stop of its child's helper: when Frida's injector came to
-   re-create the parent's agent thread after that fork(), it found the process "traced by
-   another process", and the parent died in Frida's recovery (agent+0x31d855; attached with
-   --follow-fork to a thread that ran before the attach and forked: 4 of 6 attaches, and
-   the same helpers, their parent a child, seen tracing the parent's threads;
-   docs/fork.md section 16).  So the child marks them destroy-pending first, with no thread
-   to wait for: Gum frees them and touches no thread.  That is Gum 17's private layout
-   (GumStalker.contexts, a GSList, at +0xb0; GumExecCtx.state at 0 and .stalker at 16):
-   only once widen_inline_cache() has checked the object, and only when every context in
-   the list reads back as this Stalker's. */
-static void drop_inherited_contexts(void) {
+   that ptraces the thread by id -- in the child, an id that names a thread of the PARENT.
+   A thread followed from outside as the recording began (attaching) is such a context, and
+   the parent's main thread sat in a ptrace stop of its child's helper while Frida's
+   injector came to re-create the parent's agent thread after that fork(): it found the
+   process "traced by another process", and the parent died in Frida's recovery
+   (agent+0x31d855; docs/fork.md section 16).  So the child marks them unfollowed first, as
+   Gum's unfollow does before it reaches for the thread: Gum then leaves them alone.  Not
+   destroy-pending, which has Gum free them there: that would take Frida's heap lock in
+   the child, which a thread of the parent may have held at the fork() (frida/frida#467).
+   That is Gum 17's private layout (GumStalker.contexts, a GSList, at +0xb0;
+   GumExecCtx.state at 0 and .stalker at 16): used only once widen_inline_cache() has
+   checked the object, and only when every context in the list reads back as this
+   Stalker's. */
+static void unfollow_inherited_contexts(void) {
   uint8_t *stalker = STATE->stalker, **first = NULL, **node;
   if (stalker == NULL || !read_safely(stalker + 0xb0, &first, 8))
     return;
@@ -1053,13 +1054,8 @@ static void drop_inherited_contexts(void) {
         || !read_safely(entry[0] + 16, &owner, 8) || owner != stalker)
       return;
   }
-  for (node = first; node != NULL; node = (uint8_t **)node[1]) {
-    uint8_t *ctx = node[0];
-    if (*(volatile int *)ctx == 0 /* GUM_EXEC_CTX_ACTIVE */) {
-      *(int64_t *)(ctx + 8) = 0; /* destroy_pending_since: long ago */
-      *(volatile int *)ctx = 2;  /* GUM_EXEC_CTX_DESTROY_PENDING */
-    }
-  }
+  for (node = first; node != NULL; node = (uint8_t **)node[1])
+    swap_int((int *)node[0], 0 /* GUM_EXEC_CTX_ACTIVE */, 1 /* UNFOLLOW_PENDING */);
 }
 
 void bt_on_fork_leave(GumInvocationContext *ic) {
@@ -1073,7 +1069,7 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     bt_release_faults(); /* Frida frees this code in the child */
     disarm_inherited_altstack();
-    drop_inherited_contexts();
+    unfollow_inherited_contexts();
     return;
   }
   if (!in_forked_child())
