@@ -246,6 +246,24 @@ def test_a_child_forked_during_the_attach_that_still_runs_is_named_at_risk(progr
         assert watch.freed == []
 
 
+def test_only_a_child_forked_as_frida_unloads_is_named_at_risk(programs):
+    # under --follow-fork a child forked during the recording and still running at the
+    # detach was named as forked while Frida's agent loaded or unloaded (docs/fork.md
+    # section 16)
+    with heaplock(programs["heaplock"], "plain") as target:
+        watch = forkwindow.ForksUnderFrida(target.pid)
+        watch.attached(follow_new=False)
+        fork_now(target)  # during the recording: Frida's and ours
+        watch.detaching()
+        assert watch.settle(timeout=0.3, grace=0.05) == []
+    with heaplock(programs["heaplock"], "plain") as target:
+        watch = forkwindow.ForksUnderFrida(target.pid)
+        watch.attached(follow_new=False)
+        watch.detaching()
+        child = fork_now(target)
+        assert watch.settle(timeout=0.3, grace=0.05) == [child]
+
+
 @contextlib.contextmanager
 def stopped_by(tracer: str, pid: int) -> Iterator[None]:
     """`pid` held in a tracing stop by a thread of this process ("us") or of another one."""

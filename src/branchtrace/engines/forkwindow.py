@@ -471,7 +471,8 @@ class ForksUnderFrida:
     our script load (until `attached()`) and while they unload (from `detaching()` until
     `settle()` sees the agent gone).  With child gating on, the children forked between
     `attached(follow_new=False)` and `detaching()` are left alone: Frida ptraces them to
-    inject its agent, and a second tracer would break that."""
+    inject its agent, and a second tracer would break that.  A child alive as `detaching()`
+    is called was forked before: it is not at risk for being alive then."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -479,7 +480,8 @@ class ForksUnderFrida:
         self._watched: dict[int, int] = {}
         self._risky: set[int] = set()
         self._follow_new = True
-        self._seen_before_detach: set[int] | None = None
+        #: pid -> start time of the children alive as the detach began
+        self._alive_at_detach: dict[int, int] | None = None
         self.freed: list[int] = []  #: released once, and went on
         self.stuck: list[int] = []  #: waiting on a lock again after its release
         self._released: dict[int, set[HeldLock]] = {}  #: child -> the locks released in it
@@ -491,7 +493,7 @@ class ForksUnderFrida:
 
     def detaching(self) -> None:
         self._follow_new = True
-        self._seen_before_detach = set(self._watched)
+        self._alive_at_detach = children(self.pid)
 
     def _refresh(self) -> None:
         if self._follow_new:
@@ -502,7 +504,10 @@ class ForksUnderFrida:
                     and not _shares_memory(self.pid, kid)
                 ):
                     self._watched[kid] = start
-                    if self._seen_before_detach is not None:
+                    if (
+                        self._alive_at_detach is not None
+                        and self._alive_at_detach.get(kid) != start
+                    ):
                         self._risky.add(kid)
         for kid, start in list(self._watched.items()):
             stat = proc_stat(kid)
