@@ -1667,6 +1667,8 @@ class _ForkFollower:
         self._reported: set[int] = set()  #: children Frida told us of
         self._held = StopClock()  #: see frozen
         self._listed_since: dict[int, float] = {}  #: children not reported to us yet
+        #: when child gating began in each watched process (clock ticks since boot)
+        self._gated_since: dict[int, int] = {}
         #: children found frozen in Frida's recovery from their fork() and killed -> parent
         self.killed: dict[int, int] = {}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -1699,6 +1701,7 @@ class _ForkFollower:
             self._agents[session] = agent
         self.image.setdefault(pid, pid)
         self.started.setdefault(self.image[pid], _start_time(pid))
+        self._gated_since.setdefault(pid, _ticks_now())
         session.enable_child_gating()
         self._gating.append(session)
         self._watched.add(pid)
@@ -1903,6 +1906,29 @@ class _ForkFollower:
                 held = True
         return held
 
+    def _never_reported(self, let_go: set[int]) -> dict[int, list[int]]:
+        """The children of the watched processes, forked since child gating began there,
+        that Frida has not told us of for FROZEN_AFTER s and that still run (not frozen, nor
+        pending at the end, `let_go`), by parent.  Seen: a child of a program whose threads
+        started while others forked, never reported, waiting in Frida's code with Frida's
+        threads in it, and its parent waiting for it (docs/fork.md section 16); and one
+        forked past Frida's fork() hook (a raw clone system call)."""
+        now = time.monotonic()
+        found: dict[int, list[int]] = {}
+        for kid, since in self._listed_since.items():
+            parent = _parent_of(kid)
+            start = _start_time(kid)
+            if (
+                parent in self._watched
+                and start is not None
+                and start >= self._gated_since.get(parent, start + 1)
+                and now - since >= FROZEN_AFTER
+                and kid not in self._reported | let_go | self.killed.keys()
+                and _running(kid)
+            ):
+                found.setdefault(parent, []).append(kid)
+        return {parent: sorted(kids) for parent, kids in found.items()}
+
     def held_up(self) -> bool:
         """Whether a process frozen in Frida's recovery from a fork() is left so (the attached
         program): Frida's host then answers no call (enumerate_pending_children: no answer
@@ -1967,9 +1993,11 @@ class _ForkFollower:
                 _release_forks(agent)
         # a child forked as gating went off may be held without ever being reported to us;
         # left so, it and the parent waiting for it would hang
+        let_go: set[int] = set()
         with contextlib.suppress(Exception):
             for child in [] if self.held_up() else _bounded(self.device.enumerate_pending_children):
                 if int(child.parent_pid) in self._watched:
+                    let_go.add(int(child.pid))
                     self._let_go(int(child.pid))
         self.device.off("child-added", self._on_child_added)
         # a child that froze shortly before the end, as late as gating going off, is told
@@ -1977,6 +2005,7 @@ class _ForkFollower:
         deadline = time.monotonic() + FROZEN_AFTER + 0.5
         while self._kill_frozen_unreported(young_too=True) and time.monotonic() < deadline:
             time.sleep(0.05)
+        never_reported = self._never_reported(let_go)
         running = set(self.running())
         # each may take DETACH_PATIENCE s (_detached)
         detaching = [threading.Thread(target=self._detach, args=(pid,)) for pid in running]
@@ -1995,6 +2024,10 @@ class _ForkFollower:
             )
             if pid not in self.children:  # never reported to us
                 processes[pid] = {"ppid": parent, "untraced": "frozen before Frida reported it"}
+        for parent, kids in never_reported.items():
+            self.rec._error(_never_reported_warning(parent, kids))
+            for pid in kids:
+                processes[pid] = {"ppid": parent, "untraced": "never reported by Frida"}
         # one wait for them all: a status not in by then will not come (a pid namespace of
         # its own gets no process events: 2 s for each child)
         statuses_due = time.monotonic() + 2
@@ -2637,6 +2670,20 @@ def _dropped_warning(what: str, reason: str) -> str:
     return (
         f"Frida dropped its session with {what} ({reason}) while it ran on: its trace ends "
         "there, and it ran on untraced"
+    )
+
+
+def _ticks_now() -> int:
+    """Now, in the clock ticks since boot of a process's start time (_start_time)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def _never_reported_warning(parent: int, kids: list[int]) -> str:
+    return (
+        f"{_children_of(parent, kids)}, forked during the recording, "
+        f"{'was' if len(kids) == 1 else 'were'} never reported by Frida, so not traced: "
+        "forked past Frida's fork() hook, or lost by Frida, which leaves such a child "
+        "waiting in its code for good (a Frida bug; docs/fork.md section 16)"
     )
 
 
