@@ -1911,8 +1911,7 @@ class _ForkFollower:
         that Frida has not told us of for FROZEN_AFTER s and that still run (not frozen, nor
         pending at the end, `let_go`), by parent.  Seen: a child of a program whose threads
         started while others forked, never reported, waiting in Frida's code with Frida's
-        threads in it, and its parent waiting for it (docs/fork.md section 16); and one
-        forked past Frida's fork() hook (a raw clone system call)."""
+        threads in it, and its parent waiting for it (docs/fork.md section 16)."""
         now = time.monotonic()
         found: dict[int, list[int]] = {}
         for kid, since in self._listed_since.items():

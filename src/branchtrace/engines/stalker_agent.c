@@ -1029,8 +1029,9 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
 
 /* A forked child inherits Stalker's contexts of the parent's threads.  When Frida flushes
    this script there, Gum stops Stalker: it unfollows each context still active, and one
-   whose thread it takes for not yet started it unfollows from outside, through its helper
-   that ptraces the thread by id -- in the child, an id that names a thread of the PARENT.
+   with a field at +0x160 still 0 (read off the disassembly; a thread that has not run in
+   Stalker yet, it seems) from outside, through its helper that ptraces the thread by id --
+   in the child, an id that names a thread of the PARENT.
    A thread followed from outside as the recording began (attaching) is such a context, and
    the parent's main thread sat in a ptrace stop of its child's helper while Frida's
    injector came to re-create the parent's agent thread after that fork(): it found the
