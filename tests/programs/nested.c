@@ -1,7 +1,8 @@
 /* Forks a child that forks a grandchild: the grandchild calls f exactly 7 times and lives
    CHILD_US microseconds (200000) more; once it has exited, its parent waits 300 ms and calls
    after exactly 5 times, and so does the top process.  With a 2nd argument: says "ready" and
-   waits for a line first (an attach target).  Prints "nested 0" when all exited 0. */
+   waits for a line first (an attach target).  Prints "nested 0" when all exited 0, and
+   how each child that did not ended. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -22,6 +23,10 @@ static int run(int depth, int child_us) {
     _exit(run(depth - 1, child_us));
   int status;
   waitpid(kid, &status, 0);
+  if (status != 0) { /* how it ended, for a test that fails */
+    printf("depth %d: child %d status %#x\n", depth, kid, status);
+    fflush(stdout);
+  }
   usleep(300000);
   for (int i = 0; i < 5; i++) after(i);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
