@@ -1913,6 +1913,7 @@ class _ForkFollower:
         started while others forked, never reported, waiting in Frida's code with Frida's
         threads in it, and its parent waiting for it (docs/fork.md section 16)."""
         now = time.monotonic()
+        known = self._reported | let_go | self.killed.keys()
         found: dict[int, list[int]] = {}
         for kid, since in self._listed_since.items():
             parent = _parent_of(kid)
@@ -1922,7 +1923,7 @@ class _ForkFollower:
                 and start is not None
                 and start >= self._gated_since.get(parent, start + 1)
                 and now - since >= FROZEN_AFTER
-                and kid not in self._reported | let_go | self.killed.keys()
+                and kid not in known
                 and _running(kid)
             ):
                 found.setdefault(parent, []).append(kid)

@@ -1037,9 +1037,10 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
    injector came to re-create the parent's agent thread after that fork(): it found the
    process "traced by another process", and the parent died in Frida's recovery
    (agent+0x31d855; docs/fork.md section 16).  So the child marks them unfollowed first, as
-   Gum's unfollow does before it reaches for the thread: Gum then leaves them alone.  Not
-   destroy-pending, which has Gum free them there: that would take Frida's heap lock in
-   the child, which a thread of the parent may have held at the fork() (frida/frida#467).
+   Gum's unfollow does before it reaches for the thread: its stop then reaches for none.
+   (Gum still frees them there, as it frees every context whose thread the process does
+   not have, and that can spin for good on a lock of Frida's a parent thread held at the
+   fork(): section 16, still open.  Marking them destroy-pending instead did no better.)
    That is Gum 17's private layout (GumStalker.contexts, a GSList, at +0xb0;
    GumExecCtx.state at 0 and .stalker at 16): used only once widen_inline_cache() has
    checked the object, and only when every context in the list reads back as this
