@@ -2524,26 +2524,31 @@ def test_the_tool_killed_while_attached_with_follow_fork_leaves_the_program_fork
     # whole group is killed here, as `kill -9 %1` kills a shell's job.
     missing = record(tmp_path / "none", "--follow-fork", "-p", "999999999")
     assert missing.returncode == 11 and len(missing.stderr.strip().splitlines()) == 1
-    rounds, out = 300, tmp_path / "d"
-    forkloop = programs["forkloop"]
-    with attach_target(forkloop, rounds, 5000, -1, stdin=subprocess.PIPE) as target:
-        options = ["--mode", "wrap", "--buffer-size", "512K", "--follow-fork"]
-        tool = subprocess.Popen(
-            [*BT, "record", "-o", str(out), *options, "-p", str(target.pid)],
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        started = tool.stderr.readline()
-        assert "Ctrl-C to stop and detach" in started, started + tool.stderr.read()
-        target.stdin.write("go\n")  # forking from now on, every 5 ms
-        target.stdin.flush()
-        time.sleep(1)
-        os.killpg(tool.pid, signal.SIGKILL)
-        tool.wait()
-        err = tool.stderr.read()  # to its end: the recorder's, once it has finished
-        tool.stderr.close()
-        printed, _ = target.communicate(timeout=60)
+    rounds, forkloop = 300, programs["forkloop"]
+    # once more if the tool names a fault inside Frida's recovery from a fork() (a Frida bug
+    # that stops the program for good; seen here in CI after 6 forks, session 49)
+    for attempt in range(2):
+        out = tmp_path / f"d{attempt}"
+        with attach_target(forkloop, rounds, 5000, -1, stdin=subprocess.PIPE) as target:
+            options = ["--mode", "wrap", "--buffer-size", "512K", "--follow-fork"]
+            tool = subprocess.Popen(
+                [*BT, "record", "-o", str(out), *options, "-p", str(target.pid)],
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            started = tool.stderr.readline()
+            assert "Ctrl-C to stop and detach" in started, started + tool.stderr.read()
+            target.stdin.write("go\n")  # forking from now on, every 5 ms
+            target.stdin.flush()
+            time.sleep(1)
+            os.killpg(tool.pid, signal.SIGKILL)
+            tool.wait()
+            err = tool.stderr.read()  # to its end: the recorder's, once it has finished
+            tool.stderr.close()
+            printed, _ = target.communicate(timeout=60)
+        if FRIDA_FAULT not in err:
+            break
     assert target.returncode == 0 and printed.split() == [str(rounds)], started + err
     assert "was killed; its recorder stopped and detached" in err, started + err
     assert f"detached from pid {target.pid}; it keeps running" in err, started + err
