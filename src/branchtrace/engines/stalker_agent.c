@@ -1027,39 +1027,6 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
   bt_before_fork();
 }
 
-/* A forked child inherits Stalker's contexts of the parent's threads.  When Frida flushes
-   this script there, Gum stops Stalker: it unfollows each context still active, and one
-   with a field at +0x160 still 0 (read off the disassembly; a thread that has not run in
-   Stalker yet, it seems) from outside, through its helper that ptraces the thread by id --
-   in the child, an id that names a thread of the PARENT.
-   A thread followed from outside as the recording began (attaching) is such a context, and
-   the parent's main thread sat in a ptrace stop of its child's helper while Frida's
-   injector came to re-create the parent's agent thread after that fork(): it found the
-   process "traced by another process", and the parent died in Frida's recovery
-   (agent+0x31d855; docs/fork.md section 16).  So the child marks them unfollowed first, as
-   Gum's unfollow does before it reaches for the thread: its stop then reaches for none.
-   (Gum still frees them there, as it frees every context whose thread the process does
-   not have, and that can spin for good on a lock of Frida's a parent thread held at the
-   fork(): section 16, still open.  Marking them destroy-pending instead did no better.)
-   That is Gum 17's private layout (GumStalker.contexts, a GSList, at +0xb0;
-   GumExecCtx.state at 0 and .stalker at 16): used only once widen_inline_cache() has
-   checked the object, and only when every context in the list reads back as this
-   Stalker's. */
-static void unfollow_inherited_contexts(void) {
-  uint8_t *stalker = STATE->stalker, **first = NULL, **node;
-  if (stalker == NULL || !read_safely(stalker + 0xb0, &first, 8))
-    return;
-  int n = 0;
-  for (node = first; node != NULL; node = (uint8_t **)node[1]) {
-    uint8_t *entry[2], *owner;
-    if (++n > 65536 || !read_safely(node, entry, 16) || entry[0] == NULL
-        || !read_safely(entry[0] + 16, &owner, 8) || owner != stalker)
-      return;
-  }
-  for (node = first; node != NULL; node = (uint8_t **)node[1])
-    swap_int((int *)node[0], 0 /* GUM_EXEC_CTX_ACTIVE */, 1 /* UNFOLLOW_PENDING */);
-}
-
 void bt_on_fork_leave(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0) {
     /* the child's fork() calls go on through its copy of the fork stub, which must not call
@@ -1071,7 +1038,6 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     bt_release_faults(); /* Frida frees this code in the child */
     disarm_inherited_altstack();
-    unfollow_inherited_contexts();
     return;
   }
   if (!in_forked_child())
