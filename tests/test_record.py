@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -1742,6 +1743,53 @@ def test_attached_with_follow_fork_traces_each_new_child_exactly(tmp_path, progr
     # Frida dropped the program's session in 4 of 10 such attaches before the parked thread
     assert "dropped" not in res.stderr, res.stderr
     assert meta["threads"][str(target.pid)]["records"] > 0, res.stderr
+
+
+def test_attached_with_follow_fork_threads_running_before_the_attach_fork_and_live_on(
+    tmp_path, programs
+):
+    # 4 threads, already running as the recorder attaches, fork at the same moment round
+    # after round, 1 ms apart.  The program was killed in Frida's recovery from a fork()
+    # (agent+0x31d855) in about 2 attaches of 3: each child, as Frida flushed the script in
+    # it, had Gum unfollow the parent's threads from outside -- ptracing the parent's main
+    # thread just as Frida's injector needed it to restart the parent's agent
+    # (unfollow_inherited_contexts in stalker_agent.c).  And before fork()s took turns under
+    # Frida's hook, two at once killed it in any case (take_fork_turn).
+    exe, rounds = programs["threadforks"], 40
+    # once more if Frida broke a child itself (a fault inside its recovery from a fork(),
+    # which the tool names, then kills the child so that the program can go on)
+    for attempt in range(2):
+        out, go = tmp_path / f"d{attempt}", tmp_path / f"go{attempt}"
+        with attach_target(exe, 4, rounds, go) as target:
+            options = ["--follow-fork", "--duration", "3", "-p", str(target.pid)]
+            tool = subprocess.Popen(
+                [*BT, "record", "-o", str(out), *options], stderr=subprocess.PIPE, text=True
+            )
+            started = tool.stderr.readline()
+            assert "Ctrl-C to stop and detach" in started, started + tool.stderr.read()
+            go.touch()  # the threads fork from now on
+            _, err = tool.communicate(timeout=120)
+            res = subprocess.CompletedProcess(tool.args, tool.returncode, "", started + err)
+            printed = output_after(target, res)
+        if FRIDA_FAULT not in err:
+            break
+    assert printed.split() == [str(rounds)] * 4 and target.returncode == 0, res.stderr
+    assert res.returncode == 0, res.stderr
+    trace = TraceDir.open(out)
+    meta = trace.meta()
+    assert all(e["ppid"] == target.pid for e in meta["processes"].values()), meta["processes"]
+    traced = [int(p) for p, e in meta["processes"].items() if "untraced" not in e]
+    assert len(traced) >= 8, (meta["processes"], res.stderr)
+    # thread i's children call f i + 2 times: no child has another count, and none of the
+    # four counts comes from more children than one thread forked
+    counts = collections.Counter(calls_to(trace, child, exe, "f") for child in traced)
+    assert set(counts) <= {2, 3, 4, 5} and max(counts.values()) <= rounds, res.stderr
+    # the forking threads were traced from the attach on, each fork() a gap in its trace;
+    # a child of the last fork()s may be reported only after the recording stopped, and is
+    # let go then (not in the recording)
+    forkers = [e for t, e in meta["threads"].items() if e["pid"] == target.pid != int(t)]
+    assert len(forkers) == 4 and all(e["gaps"].get("fork") for e in forkers), meta["threads"]
+    assert sum(e["gaps"]["fork"] for e in forkers) >= len(meta["processes"]), res.stderr
 
 
 def test_attached_with_follow_fork_to_a_program_inside_fork_it_and_its_children_live(

@@ -1024,7 +1024,40 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
       bt_futex_wait((uint32_t *)&STATE->forks_held, 1, 1000000);
   }
   take_fork_turn();
+  *GUM_IC_GET_INVOCATION_DATA(ic, uint32_t) = (uint32_t)raw_syscall3(186 /* gettid */, 0, 0, 0);
   bt_before_fork();
+}
+
+/* A forked child inherits Stalker's contexts of the parent's threads.  When Frida flushes
+   this script there, Gum stops Stalker: it unfollows each context still active, and one
+   that has not run in Stalker yet (a thread followed from outside as an attach began, and
+   blocked since) from outside, through its helper that ptraces the thread by id -- in the
+   child, an id that names a thread of the PARENT.  The parent's main thread then sat in a
+   ptrace stop of its child's helper while Frida's injector came to re-create the parent's
+   agent thread after that fork(): it found the process "traced by another process", and
+   the parent died in Frida's recovery (agent+0x31d855; docs/fork.md section 16).  So the
+   child marks those contexts unfollowed first, as Gum's unfollow does before it reaches
+   for a thread: its stop then reaches for none.  The forking thread's own context is left
+   as it is: the thread runs on in it in the child until that stop, as before (marking it
+   too sent the child out of Stalker at once, and CI runs failed with that).
+   That is Gum 17's private layout (GumStalker.contexts, a GSList, at +0xb0; GumExecCtx
+   .state at 0, .stalker at 16, .thread_id at 24): used only once widen_inline_cache() has
+   checked the object, and only when every context in the list reads back as this
+   Stalker's. */
+static void unfollow_inherited_contexts(uint32_t forking_thread) {
+  uint8_t *stalker = STATE->stalker, **first = NULL, **node;
+  if (stalker == NULL || !read_safely(stalker + 0xb0, &first, 8))
+    return;
+  int n = 0;
+  for (node = first; node != NULL; node = (uint8_t **)node[1]) {
+    uint8_t *entry[2], *owner;
+    if (++n > 65536 || !read_safely(node, entry, 16) || entry[0] == NULL
+        || !read_safely(entry[0] + 16, &owner, 8) || owner != stalker)
+      return;
+  }
+  for (node = first; node != NULL; node = (uint8_t **)node[1])
+    if (*(uint64_t *)(node[0] + 24) != forking_thread)
+      swap_int((int *)node[0], 0 /* GUM_EXEC_CTX_ACTIVE */, 1 /* UNFOLLOW_PENDING */);
 }
 
 void bt_on_fork_leave(GumInvocationContext *ic) {
@@ -1038,6 +1071,7 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     bt_release_faults(); /* Frida frees this code in the child */
     disarm_inherited_altstack();
+    unfollow_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
     return;
   }
   if (!in_forked_child())
