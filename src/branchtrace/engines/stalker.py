@@ -1661,6 +1661,9 @@ class _ForkFollower:
         self.dropped: dict[int, str] = {}
         self._let_go_of: set[int] = set()  #: children we detach from ourselves
         self.untraced: dict[int, str] = {}  #: children Frida could not trace, and why
+        #: children Frida reported, or held, only once the recording was stopping: let go
+        #: untraced, by pid -> their parent
+        self._too_late: dict[int, int] = {}
         self._gating: list[Any] = []  #: sessions holding their process's new children
         self._agents: dict[Any, _Agent] = {}  #: ours in the processes of those sessions
         self._watched: set[int] = set()  #: their processes
@@ -1688,6 +1691,8 @@ class _ForkFollower:
                 return
         # forked after the end: let it go untraced (not from Frida's own thread, whose
         # calls a resume waits for)
+        if child.origin != "exec":  # a new image of a traced process is no new process
+            self._too_late[int(child.pid)] = int(child.parent_pid)
         threading.Thread(target=self._let_go, args=(int(child.pid),), daemon=True).start()
 
     def _let_go(self, pid: int) -> None:
@@ -1998,6 +2003,8 @@ class _ForkFollower:
             for child in [] if self.held_up() else _bounded(self.device.enumerate_pending_children):
                 if int(child.parent_pid) in self._watched:
                     let_go.add(int(child.pid))
+                    if child.origin != "exec":
+                        self._too_late[int(child.pid)] = int(child.parent_pid)
                     self._let_go(int(child.pid))
         self.device.off("child-added", self._on_child_added)
         # a child that froze shortly before the end, as late as gating going off, is told
@@ -2028,6 +2035,14 @@ class _ForkFollower:
             self.rec._error(_never_reported_warning(parent, kids))
             for pid in kids:
                 processes[pid] = {"ppid": parent, "untraced": "never reported by Frida"}
+        # the fork() is in the parent's trace (a GAP); the child must be in the recording too
+        too_late: dict[int, list[int]] = {}
+        for pid, parent in sorted(self._too_late.items()):
+            if pid not in processes:
+                processes[pid] = {"ppid": parent, "untraced": "forked as the recording stopped"}
+                too_late.setdefault(parent, []).append(pid)
+        for parent, kids in too_late.items():
+            self.rec._error(_too_late_warning(parent, kids))
         # one wait for them all: a status not in by then will not come (a pid namespace of
         # its own gets no process events: 2 s for each child)
         statuses_due = time.monotonic() + 2
@@ -2684,6 +2699,13 @@ def _never_reported_warning(parent: int, kids: list[int]) -> str:
         f"{'was' if len(kids) == 1 else 'were'} never reported by Frida, so not traced: "
         "forked past Frida's fork() hook, or lost by Frida, which leaves such a child "
         "waiting in its code for good (a Frida bug; docs/fork.md section 16)"
+    )
+
+
+def _too_late_warning(parent: int, kids: list[int]) -> str:
+    return (
+        f"{_children_of(parent, kids)}, forked as the recording stopped, "
+        f"{'was' if len(kids) == 1 else 'were'} let go untraced"
     )
 
 
