@@ -1812,9 +1812,11 @@ def test_attached_with_follow_fork_to_a_program_inside_fork_it_and_its_children_
     assert out.strip() == f"{rounds} {rounds}" and target.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")
     processes = {int(p): e for p, e in trace.meta()["processes"].items()}
-    # a child still running as the recording ended is let go (its exit is in `out`)
-    finished = {p: e for p, e in processes.items() if not e.get("detached")}
-    assert finished and all(e["exit_code"] == 0 for e in finished.values()), processes
+    # a child still running as the recording ended is let go (its exit is in `out`), and so is
+    # one Frida reported only as it ended: untraced, its fork() the last GAP of the trace
+    late = {"ppid": target.pid, "untraced": "forked as the recording stopped"}
+    finished = {p: e for p, e in processes.items() if not e.get("detached") and e != late}
+    assert finished and all(e.get("exit_code") == 0 for e in finished.values()), processes
     for child in finished:
         assert calls_to(trace, child, slowfork, "f") == 3, res.stderr
     # traced from the attach on, though it was inside a fork() begun before the agent: each
