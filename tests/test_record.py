@@ -1784,12 +1784,12 @@ def test_attached_with_follow_fork_threads_running_before_the_attach_fork_and_li
     # four counts comes from more children than one thread forked
     counts = collections.Counter(calls_to(trace, child, exe, "f") for child in traced)
     assert set(counts) <= {2, 3, 4, 5} and max(counts.values()) <= rounds, res.stderr
-    # the forking threads were traced from the attach on, each fork() a gap in its trace;
-    # a child of the last fork()s may be reported only after the recording stopped, and is
-    # let go then (not in the recording)
+    # the forking threads were traced from the attach on, each fork() a gap in its trace, and
+    # each gap has its child in the recording: a child of the last fork()s that Frida reported
+    # only as the recording stopped is let go, listed untraced
     forkers = [e for t, e in meta["threads"].items() if e["pid"] == target.pid != int(t)]
     assert len(forkers) == 4 and all(e["gaps"].get("fork") for e in forkers), meta["threads"]
-    assert sum(e["gaps"]["fork"] for e in forkers) >= len(meta["processes"]), res.stderr
+    assert sum(e["gaps"]["fork"] for e in forkers) == len(meta["processes"]), res.stderr
 
 
 def test_attached_with_follow_fork_to_a_program_inside_fork_it_and_its_children_live(
@@ -1823,6 +1823,8 @@ def test_attached_with_follow_fork_to_a_program_inside_fork_it_and_its_children_
     # child followed came after a round of the parent's traced (it calls f once a round;
     # a few more rounds run traced as gating goes off at the end)
     assert calls_to(trace, target.pid, slowfork, "f") >= len(processes), res.stderr
+    # and each fork() traced, a GAP in its trace, has its child in the recording
+    assert trace.meta()["threads"][str(target.pid)]["gaps"].get("fork") == len(processes)
 
 
 def test_attached_with_follow_fork_the_parent_stays_traced_while_children_live_on(
