@@ -1013,6 +1013,9 @@ void bt_fork_turns(int on) {
 }
 
 void bt_on_fork_enter(GumInvocationContext *ic) {
+  /* for the child's leave listener (unfollow_inherited_contexts), in a forked child's copy
+     of this script as well: its own children inherit its contexts */
+  *GUM_IC_GET_INVOCATION_DATA(ic, uint32_t) = (uint32_t)raw_syscall3(186 /* gettid */, 0, 0, 0);
   if (in_forked_child())
     return;
   /* both sides announce themselves with a locked add before they look at the other's word
@@ -1024,7 +1027,6 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
       bt_futex_wait((uint32_t *)&STATE->forks_held, 1, 1000000);
   }
   take_fork_turn();
-  *GUM_IC_GET_INVOCATION_DATA(ic, uint32_t) = (uint32_t)raw_syscall3(186 /* gettid */, 0, 0, 0);
   bt_before_fork();
 }
 
