@@ -526,8 +526,9 @@ def test_a_child_given_the_id_of_one_killed_frozen_is_let_go_untraced_and_that_o
 
 def test_a_child_frida_reports_only_as_the_recording_stops_is_listed_untraced():
     # a fork() of the last moments is a GAP in the parent's trace, but Frida reported its
-    # child only once the recording was stopping (or still held it then): let go untraced,
-    # and listed nowhere, the recording had a fork() without a child (docs/fork.md 16)
+    # child only once the recording was stopping (or still held it then).  Such a child is
+    # let go untraced; it used to be listed nowhere, a fork() without a child in the
+    # recording (docs/fork.md section 16).  A late exec of a traced process is no new child.
     class LateFrida(FakeFrida):
         def on(self, _: str, callback: Any) -> None:
             self.child_added = callback
