@@ -1041,7 +1041,7 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
    child marks those contexts unfollowed first, as Gum's unfollow does before it reaches
    for a thread: its stop then reaches for none.  The forking thread's own context is left
    as it is: the thread runs on in it in the child until that stop, as before (marking it
-   too sent the child out of Stalker at once, and CI runs failed with that).
+   too sent the child out of Stalker at once; 4 of 8 CI runs failed while it did).
    That is Gum 17's private layout (GumStalker.contexts, a GSList, at +0xb0; GumExecCtx
    .state at 0, .stalker at 16, .thread_id at 24): used only once widen_inline_cache() has
    checked the object, and only when every context in the list reads back as this
