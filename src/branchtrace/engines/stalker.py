@@ -1069,8 +1069,11 @@ class _Recording:
     def _top_up(self, agent: _Agent) -> None:
         """Hand `agent` rings for its next threads, up to SPARES_PER_AGENT.  Not with
         --sched: a thread's context switches are watched before it runs, which the host
-        does as the thread waits for its ring."""
-        if self.options.sched:
+        does as the thread waits for its ring.  Nor with --follow-fork: a ring handed is a
+        message to the agent at any moment, and one on its way as the program forks under
+        Frida's child gating kills the child or the program (docs/fork.md section 17); a
+        thread that waits for its ring lets no fork() go on meanwhile."""
+        if self.options.sched or self.options.follow_fork:
             return
         with self.lock:
             if self._done.is_set():

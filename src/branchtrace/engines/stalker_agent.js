@@ -592,11 +592,19 @@ function followNewThread() {
   Stalker.follow(tid, { transform: cm.transform, data: t });
 }
 
-// Without a ring handed ahead the thread asks the host for one, waiting for the answer.
+// Without a ring handed ahead (always so with --follow-fork: _top_up in stalker.py) the
+// thread asks the host for one and waits for the answer, holding its fork turn throughout:
+// nothing is then on its way to or from the agent while a fork() is under child gating
+// (docs/fork.md section 17).
 function askForRing(tid) {
-  sendBetweenForks({ type: 'thread-start', tid });
   let reply = null;
-  recv(`ring:${tid}`, (m) => { reply = m; }).wait();
+  forkTurn(1);
+  try {
+    send({ type: 'thread-start', tid });
+    recv(`ring:${tid}`, (m) => { reply = m; }).wait();
+  } finally {
+    forkTurn(0);
+  }
   Stalker.garbageCollect(); // see takeSpare
   if (reply.path) {
     follow(tid, reply.path);
