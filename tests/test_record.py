@@ -1612,9 +1612,7 @@ def test_follow_fork_threads_forking_at_the_same_moment_each_keep_their_child(tm
     assert sorted(meta["threads"][str(t)]["gaps"].get("fork", 0) for t in forkers) == [5] * 4
 
 
-def test_follow_fork_threads_started_between_forks_leave_no_message_to_a_child(
-    tmp_path, programs
-):
+def test_follow_fork_threads_started_between_forks_leave_no_message_to_a_child(tmp_path, programs):
     # A new thread's ring was handed by a message from the recorder to Frida's agent, sent at
     # any time: one on its way as the program forked under child gating killed a child
     # (SIGSEGV) or the program ("given blob is malformed"): this test failed 3 of 3 so.
