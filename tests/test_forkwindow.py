@@ -504,6 +504,52 @@ def test_a_child_forked_during_the_recording_that_frida_never_reported_is_named(
         target.communicate()
 
 
+def test_a_never_reported_child_whose_parent_ended_is_named_under_that_parent(monkeypatch):
+    # A spawned program hung on such a child and stopped with Ctrl-C is killed before the
+    # recording ends: the child, reparented, was then named nowhere (docs/fork.md section 17)
+    monkeypatch.setattr(stalker, "FROZEN_AFTER", 0.2)
+    program = (
+        "import os, sys, time\n"
+        "sys.stdin.readline()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print(pid, flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    frida, errors = FakeFrida(), []
+    with ExitWatcher() as watcher:
+        follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
+        target = subprocess.Popen(
+            [sys.executable, "-c", program],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            time.sleep(0.05)  # the child starts a clock tick or more after gating began
+            follower.watch(frida, target.pid)
+            target.stdin.write("go\n")
+            target.stdin.flush()
+            kid = int(target.stdout.readline())
+            follower.frozen()  # as while recording: the children not reported yet are listed
+            target.stdin.write("end\n")
+            target.stdin.flush()
+            target.wait()  # the program ends; its child lives on, reparented
+            assert stalker._parent_of(kid) != target.pid
+            time.sleep(0.3)
+            processes = follower.close()
+            assert processes == {kid: {"ppid": target.pid, "untraced": "never reported by Frida"}}
+            assert len(errors) == 1 and f"child {kid} of pid {target.pid}" in errors[0]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(target.pid, signal.SIGKILL)
+            target.stdin.close()
+            target.stdout.close()
+
+
 def test_a_child_given_the_id_of_one_killed_frozen_is_let_go_untraced_and_that_one_kept():
     # meta.json keeps the ending of a child killed frozen under its pid; a child given an
     # earlier traced child's pid is traced under a key of its own (test_record.py)

@@ -1673,6 +1673,9 @@ class _ForkFollower:
         self._reported: set[int] = set()  #: children Frida told us of
         self._held = StopClock()  #: see frozen
         self._listed_since: dict[int, float] = {}  #: children not reported to us yet
+        #: each child listed so far, with its parent then and its start time: one whose parent
+        #: ended since (a spawned program killed at the end) is looked for by that
+        self._listed_with: dict[int, tuple[int, int | None]] = {}
         #: when child gating began in each watched process (clock ticks since boot)
         self._gated_since: dict[int, int] = {}
         #: children found frozen in Frida's recovery from their fork() and killed -> parent
@@ -1899,7 +1902,16 @@ class _ForkFollower:
             for kid in child_pids(parent):
                 if kid not in self._reported and kid not in self.killed:
                     unreported[kid] = parent
-        self._listed_since = {kid: self._listed_since.get(kid, now) for kid in unreported}
+        for kid, parent in unreported.items():
+            self._listed_with.setdefault(kid, (parent, _start_time(kid)))
+        orphans = {
+            kid
+            for kid in self._listed_since
+            if kid not in unreported and _orphaned(kid, self._listed_with.get(kid))
+        }
+        self._listed_since = {
+            kid: self._listed_since.get(kid, now) for kid in [*unreported, *orphans]
+        }
         looked_at = {
             kid for kid in unreported if young_too or now - self._listed_since[kid] >= FROZEN_AFTER
         }
@@ -1926,6 +1938,8 @@ class _ForkFollower:
         for kid, since in self._listed_since.items():
             parent = _parent_of(kid)
             start = _start_time(kid)
+            if _orphaned(kid, self._listed_with.get(kid)):
+                parent = self._listed_with[kid][0]
             if (
                 parent in self._watched
                 and start is not None
@@ -2721,6 +2735,16 @@ def _start_time(pid: int) -> int | None:
 def _parent_of(pid: int) -> int | None:
     stat = proc_stat(pid)
     return int(stat[1]) if stat else None
+
+
+def _orphaned(pid: int, listed_with: tuple[int, int | None] | None) -> bool:
+    """Whether `pid` is still the process listed as a child (`listed_with`: its parent then
+    and its start time) and has another parent now: that one ended."""
+    if listed_with is None:
+        return False
+    parent, start = listed_with
+    now_parent = _parent_of(pid)
+    return now_parent is not None and now_parent != parent and _start_time(pid) == start
 
 
 def _executable_of(pid: int) -> str | None:
