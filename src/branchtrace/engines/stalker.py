@@ -1912,6 +1912,7 @@ class _ForkFollower:
         self._listed_since = {
             kid: self._listed_since.get(kid, now) for kid in [*unreported, *orphans]
         }
+        self._listed_with = {kid: self._listed_with[kid] for kid in self._listed_since}
         looked_at = {
             kid for kid in unreported if young_too or now - self._listed_since[kid] >= FROZEN_AFTER
         }
