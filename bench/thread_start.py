@@ -3,6 +3,10 @@ line) and end (its last line to the end of pthread_join()) of THREADS threads st
 after another, native and under `record` in each mode.
 
     python bench/thread_start.py [--threads 400] [--repeat 3] [--modes wrap,stream]
+        [--follow-fork]
+
+With --follow-fork each mode is also run with that option, under which a new thread asks
+the recorder for its ring and waits for it (docs/fork.md section 17).
 
 The program is bench/programs/thread_start.c.  Prints one row per run, then the medians.
 """
@@ -30,6 +34,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=400)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--modes", default="wrap,stream")
+    parser.add_argument("--follow-fork", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "thread_start"
@@ -38,12 +43,15 @@ def main() -> None:
         rows: dict[str, list[tuple[float, float]]] = {}
         for _ in range(args.repeat):
             rows.setdefault("native", []).append(run([str(exe), str(args.threads)]))
+            variants = [[], ["--follow-fork"]] if args.follow_fork else [[]]
             for mode in args.modes.split(","):
-                out = Path(tmp) / f"d-{mode}"
-                argv = [*BT, "record", "-o", str(out), "--mode", mode, "--"]
-                start, end = run([*argv, str(exe), str(args.threads)])
-                rows.setdefault(mode, []).append((start, end))
-                print(f"{mode}: start {start:.2f} ms, end {end:.2f} ms", flush=True)
+                for extra in variants:
+                    name = " ".join([mode, *extra])
+                    out = Path(tmp) / f"d-{mode}{len(extra)}"
+                    argv = [*BT, "record", "-o", str(out), "--mode", mode, *extra, "--"]
+                    start, end = run([*argv, str(exe), str(args.threads)])
+                    rows.setdefault(name, []).append((start, end))
+                    print(f"{name}: start {start:.2f} ms, end {end:.2f} ms", flush=True)
         print(f"| {args.threads} threads | start ms (median) | end ms (median) |")
         print("|---|---|---|")
         for name, values in rows.items():
