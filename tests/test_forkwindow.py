@@ -453,6 +453,17 @@ def test_a_child_frozen_before_frida_reported_it_is_killed_so_its_parent_goes_on
         target.communicate()
 
 
+def python_program(program: str) -> subprocess.Popen:
+    """`program` run by Python in a session of its own, its stdin and stdout piped."""
+    return subprocess.Popen(
+        [sys.executable, "-c", program],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def test_a_child_forked_during_the_recording_that_frida_never_reported_is_named(monkeypatch):
     # Frida lost such a child (threads starting while others forked): it waited in Frida's
     # code for good, its parent with it, and the recording named it nowhere
@@ -471,13 +482,7 @@ def test_a_child_forked_during_the_recording_that_frida_never_reported_is_named(
         "child()\n"
         "sys.stdin.readline()\n"
     )
-    target = subprocess.Popen(
-        [sys.executable, "-c", program],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    target = python_program(program)
     try:
         early = int(target.stdout.readline())
         time.sleep(0.05)  # a clock tick (10 ms) or more before the recording
@@ -521,13 +526,7 @@ def test_a_never_reported_child_whose_parent_ended_is_named_under_that_parent(mo
     frida, errors = FakeFrida(), []
     with ExitWatcher() as watcher:
         follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
-        target = subprocess.Popen(
-            [sys.executable, "-c", program],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        target = python_program(program)
         try:
             time.sleep(0.05)  # the child starts a clock tick or more after gating began
             follower.watch(frida, target.pid)

@@ -1584,25 +1584,39 @@ def test_follow_fork_the_threads_of_each_child_are_traced_exactly(tmp_path, prog
     assert not [p.name for p in (tmp_path / "d").iterdir() if p.name.startswith(".spare")]
 
 
+def record_following_forks(
+    tmp_path: Path, exe: Path, *args: str
+) -> tuple[subprocess.CompletedProcess, TraceDir]:
+    """`record --follow-fork -- exe args`, once more if Frida broke a child itself: a fault
+    inside its recovery from a fork(), which the tool names (FRIDA_FAULT), then kills the
+    child so that the program can go on."""
+    for attempt in range(2):
+        out = tmp_path / f"d{attempt}"
+        res = record(out, "--follow-fork", "--", str(exe), *args)
+        if FRIDA_FAULT not in res.stderr:
+            break
+    return res, TraceDir.open(out)
+
+
+def assert_children_exited_0(meta: dict, count: int, stderr: str) -> None:
+    """`count` children of the recorded program, each traced to its exit(0)."""
+    assert len(meta["processes"]) == count, stderr
+    assert all(
+        e == {"ppid": meta["pid"], "exit_code": 0, "signal": None}
+        for e in meta["processes"].values()
+    ), meta["processes"]
+
+
 def test_follow_fork_threads_forking_at_the_same_moment_each_keep_their_child(tmp_path, programs):
     # Frida's own fork() handling (child gating) takes one fork() at a time: two at once
     # killed the program (SIGTRAP, "Invalid ID" or "The connection is closed" from Frida),
     # or hung it, until fork()s took turns under it (take_fork_turn in stalker_agent.c)
     exe = programs["threadforks"]
-    # once more if Frida broke a child itself: a fault inside its recovery from a fork(),
-    # which the tool names, then kills the child so that the program can go on
-    for attempt in range(2):
-        res = record(tmp_path / f"d{attempt}", "--follow-fork", "--", str(exe), "4", "5")
-        if FRIDA_FAULT not in res.stderr:
-            break
+    res, trace = record_following_forks(tmp_path, exe, "4", "5")
     assert res.returncode == 0 and res.stdout == "5 5 5 5\n", res.stderr
-    trace = TraceDir.open(tmp_path / f"d{attempt}")
     meta = trace.meta()
     parent = meta["pid"]
-    assert len(meta["processes"]) == 20, res.stderr
-    assert all(
-        e == {"ppid": parent, "exit_code": 0, "signal": None} for e in meta["processes"].values()
-    ), meta["processes"]
+    assert_children_exited_0(meta, 20, res.stderr)
     # thread i's children call f i + 2 times: 5 children of each thread
     counts = sorted(calls_to(trace, int(child), exe, "f") for child in meta["processes"])
     assert counts == [2] * 5 + [3] * 5 + [4] * 5 + [5] * 5
@@ -1619,18 +1633,11 @@ def test_follow_fork_threads_started_between_forks_leave_no_message_to_a_child(t
     # Under --follow-fork a new thread now asks for its ring and waits for it, and no fork()
     # goes on meanwhile (askForRing in stalker_agent.js).
     exe = programs["threadsbetweenforks"]
-    for attempt in range(2):  # once more if Frida broke a child itself (FRIDA_FAULT)
-        res = record(tmp_path / f"d{attempt}", "--follow-fork", "--", str(exe), "30")
-        if FRIDA_FAULT not in res.stderr:
-            break
+    res, trace = record_following_forks(tmp_path, exe, "30")
     assert res.returncode == 0 and res.stdout.startswith("30 of 30 children ok"), res.stderr
-    trace = TraceDir.open(tmp_path / f"d{attempt}")
     meta = trace.meta()
     parent = meta["pid"]
-    assert len(meta["processes"]) == 30, res.stderr
-    assert all(
-        e == {"ppid": parent, "exit_code": 0, "signal": None} for e in meta["processes"].values()
-    ), meta["processes"]
+    assert_children_exited_0(meta, 30, res.stderr)
     assert [calls_to(trace, int(child), exe, "f") for child in meta["processes"]] == [3] * 30
     started = int(res.stdout.split()[-2])
     parents_threads = [t for t in trace.threads() if meta["threads"][str(t)]["pid"] == parent]
