@@ -1004,6 +1004,29 @@ void bt_fork_turn(int take) {
     give_fork_turn();
 }
 
+/* A thread of the program that runs this script's JavaScript as it starts (the thread
+   observer) or ends (bt_on_tls_dtors) holds the fork turn throughout, taken before it
+   waits for the script's lock: a fork() meanwhile left its child that lock (a recursive
+   mutex) held by a thread the child does not have, and Frida's recovery in the child
+   waited on it for good, its parent in waitpid() (docs/fork.md section 18).  Not a thread
+   started at code in no module or in Frida's: Frida's injector starts one around a fork()
+   (with child gating), and that fork()'s recovery waits for it.  Returns whether it took
+   the turn (1: give it back with bt_fork_turn(0)). */
+int bt_thread_turn(uint64_t routine) {
+  if (!g_atomic_int_add(&STATE->fork_turns, 0) || in_forked_child())
+    return 0;
+  if (routine != 0) {
+    const BtCodeRange *range = code_range(routine);
+    if (range == NULL || range->fridas)
+      return 0;
+  }
+  int me = (int)raw_syscall3(186 /* gettid */, 0, 0, 0);
+  if (g_atomic_int_add(&STATE->fork_turn, 0) == me)
+    return 0;
+  take_fork_turn();
+  return 1;
+}
+
 void bt_fork_turns(int on) {
   g_atomic_int_add(&STATE->fork_turns, (on ? 1 : 0) - g_atomic_int_add(&STATE->fork_turns, 0));
   if (!on) {
@@ -1238,7 +1261,10 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
   if (t == NULL)
     return;
   write_block_far(t, (uint64_t)ic->function);
+  int turn = bt_thread_turn(0);
   bt_follow_again();
+  if (turn)
+    give_fork_turn();
 }
 
 /* What was mapped for a thread that runs no more of the code compiled for it goes, and its

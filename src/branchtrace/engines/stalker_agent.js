@@ -265,17 +265,15 @@ const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const holdForksAtEntry = new NativeFunction(cm.bt_hold_forks_at_entry, 'int', ['int']);
 const forkTurns = new NativeFunction(cm.bt_fork_turns, 'void', ['int']);
 forkTurns(0); // not yet: Frida's fork() hook is not in (forkDoneLast)
-const forkTurn = new NativeFunction(cm.bt_fork_turn, 'void', ['int']);
-// A message sent while a fork() is under child gating is delivered in the child too, which
-// dies of it (docs/fork.md section 2); a new thread's first message waits for its turn.
-function sendBetweenForks(message) {
-  forkTurn(1);
-  try {
-    send(message);
-  } finally {
-    forkTurn(0);
-  }
-}
+// A new thread holds its fork turn (bt_thread_turn) while it runs this script: taken
+// without the script's lock (the default, cooperative, lets go of it while the call waits),
+// given back with it held, so a fork() that takes the turn next waits for the lock too
+// (bt_before_fork) until the thread is out of the script.  A message sent while a fork() is
+// under child gating is delivered in the child too, which dies of it (docs/fork.md section
+// 2): so the thread's messages wait for the turn as well.
+const threadTurn = new NativeFunction(cm.bt_thread_turn, 'int', ['pointer']);
+const giveForkTurn = new NativeFunction(cm.bt_fork_turn, 'void', ['int'],
+  { scheduling: 'exclusive' });
 const forksInFlight = new NativeFunction(cm.bt_forks_in_flight, 'int', []);
 const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
 // A program built with -fno-plt calls fork() through its .got entry (R_X86_64_GLOB_DAT), for
@@ -588,23 +586,18 @@ function followNewThread() {
   }
   const own = handed.slice(0, handed.lastIndexOf('/') + 1) + `T${tid}.bts`;
   const named = renameNoReplace(handed, own) ? own : null;
-  sendBetweenForks({ type: 'thread-start', tid, handed, named });
+  send({ type: 'thread-start', tid, handed, named });
   Stalker.follow(tid, { transform: cm.transform, data: t });
 }
 
 // Without a ring handed ahead (always so with --follow-fork: _top_up in stalker.py) the
-// thread asks the host for one and waits for the answer, holding its fork turn throughout:
-// nothing is then on its way to or from the agent while a fork() is under child gating
-// (docs/fork.md section 17).
+// thread asks the host for one and waits for the answer, holding its fork turn throughout
+// (onAdded): nothing is then on its way to or from the agent while a fork() is under child
+// gating (docs/fork.md section 17).
 function askForRing(tid) {
   let reply = null;
-  forkTurn(1);
-  try {
-    send({ type: 'thread-start', tid });
-    recv(`ring:${tid}`, (m) => { reply = m; }).wait();
-  } finally {
-    forkTurn(0);
-  }
+  send({ type: 'thread-start', tid });
+  recv(`ring:${tid}`, (m) => { reply = m; }).wait();
   Stalker.garbageCollect(); // see takeSpare
   if (reply.path) {
     follow(tid, reply.path);
@@ -633,24 +626,46 @@ publishCodeMap();
 
 Process.attachThreadObserver({
   onAdded(thread) {
-    if (!tracing || thread.id !== Process.getCurrentThreadId() || !inTracedProcess()) {
+    if (!tracing || thread.id !== Process.getCurrentThreadId()) {
       return;
     }
-    // Frida's injector starts threads of its own (around fork, with child gating) at code in
-    // no module; a program's threads start at a function of the program or a library.
     const routine = thread.entrypoint ? thread.entrypoint.routine : null;
-    if (routine !== null && Process.findModuleByAddress(routine) === null) {
-      note({ type: 'thread-untraced', tid: thread.id, routine: routine.toString() });
-      return;
+    const turn = threadTurn(routine ?? NULL);
+    try {
+      if (!inTracedProcess()) {
+        return;
+      }
+      // Frida's injector starts threads of its own (around fork, with child gating) at code
+      // in no module; a program's threads start at a function of the program or a library.
+      if (routine !== null && Process.findModuleByAddress(routine) === null) {
+        note({ type: 'thread-untraced', tid: thread.id, routine: routine.toString() });
+        return;
+      }
+      followNewThread();
+    } finally {
+      if (turn) {
+        giveForkTurn(0);
+      }
     }
-    followNewThread();
-  },
-  // Called in __call_tls_dtors, before the thread's last code (see followAgain): its ring
-  // is closed at its exit system call.
-  onRemoved(thread) {
-    forksBegunBefore.delete(thread.id);
   },
 });
+// No observer of thread ends but while a thread inside a fork() begun before tracing is
+// awaited (findForksBegunBefore): the observer runs this script on each ending thread
+// without a fork turn.  Called in __call_tls_dtors, before the thread's last code (see
+// followAgain).
+let endsObserver = null;
+function observeEndsOfForksBegunBefore(observe) {
+  if (observe && endsObserver === null && forksBegunBefore.size > 0) {
+    endsObserver = Process.attachThreadObserver({
+      onRemoved(thread) {
+        forksBegunBefore.delete(thread.id);
+      },
+    });
+  } else if (!observe && endsObserver !== null) {
+    endsObserver.detach();
+    endsObserver = null;
+  }
+}
 // After the thread observer, so that it runs after the registry's own hook (see followAgain).
 const tlsDtors = Module.findGlobalExportByName('__call_tls_dtors');
 if (tlsDtors !== null) {
@@ -797,6 +812,7 @@ function findForksBegunBefore(tids) {
       forksBegunBefore.delete(tid);
     }
   }
+  observeEndsOfForksBegunBefore(true);
 }
 
 // The program's calls of fork() go through bt_fork_gate (stalker_agent.c) while forks are
@@ -903,6 +919,7 @@ rpc.exports = {
       }
     });
     holdReturns(0);
+    observeEndsOfForksBegunBefore(false);
     return untraced;
   },
   // Ends the recording: {farBlocks, stillInFork: tids never out of their fork(), asleep:
