@@ -117,6 +117,7 @@ typedef struct {
   uint64_t populated;    /* the head up to which the ring's pages are mapped in ahead */
   uint64_t populate_end; /* (populate_ahead), and where its first lap ends */
   int fork_kept;         /* in a fork() called through the fork stub (bt_fork_mark) */
+  int ending_turn;       /* holds the fork turn from its call of __call_tls_dtors */
 } BtThread;
 
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
@@ -211,6 +212,9 @@ typedef struct {
   uint64_t *fork_mark_slot;
   uint64_t fork_noop;
   int fork_turns;        /* fork()s take turns (bt_fork_turns) */
+  int threads_starting;  /* from the program's pthread_create() to the thread's onAdded */
+  int forks_pending;     /* fork()s that new threads wait for (wait_for_thread_starts) */
+  uint64_t tls_dtors;    /* __call_tls_dtors, or 0 */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1004,6 +1008,90 @@ void bt_fork_turn(int take) {
     give_fork_turn();
 }
 
+void bt_fork_turns(int on) {
+  g_atomic_int_add(&STATE->fork_turns, (on ? 1 : 0) - g_atomic_int_add(&STATE->fork_turns, 0));
+  if (!on) {
+    g_atomic_int_add(&STATE->fork_turn, -g_atomic_int_add(&STATE->fork_turn, 0));
+    wake_turn_waiters();
+    g_atomic_int_add(&STATE->forks_pending, -g_atomic_int_add(&STATE->forks_pending, 0));
+    bt_futex_wake((uint32_t *)&STATE->forks_pending);
+  }
+}
+
+/* A new thread runs Gum's code before the thread observer's onAdded, where it takes its
+   fork turn: the thread registry's listener at its start, which takes the registry's lock
+   (docs/fork.md section 18: a child inherited a recursive mutex held by a thread starting
+   in the parent).  So a thread the program starts is counted from its pthread_create()
+   until its onAdded has the turn (bt_thread_turn), and a fork() waits, its turn given back,
+   until none is counted; meanwhile new pthread_create()s wait for it.  Both sides count
+   the same threads: started by the program's code (not Frida's, nor its injector's, which
+   calls pthread_create() from code in no module around a fork() and must never wait) at a
+   routine of the program's.  Each side announces itself with a locked add before it reads
+   the other's word, so one of them sees the other. */
+static int is_programs(uint64_t address) {
+  const BtCodeRange *range = code_range(address);
+  return range != NULL && !range->fridas;
+}
+
+static void thread_start_done(void) {
+  int *starting = &STATE->threads_starting;
+  int n = g_atomic_int_add(starting, 0);
+  while (n > 0 && swap_int(starting, n, n - 1) != n)
+    n = g_atomic_int_add(starting, 0);
+  if (n == 1)
+    bt_futex_wake((uint32_t *)starting);
+}
+
+void bt_init_thread_starts(uint64_t tls_dtors) {
+  STATE->threads_starting = 0;
+  STATE->forks_pending = 0;
+  STATE->tls_dtors = tls_dtors;
+}
+
+void bt_on_pthread_create(GumInvocationContext *ic) {
+  int *counted = GUM_IC_GET_INVOCATION_DATA(ic, int);
+  *counted = 0;
+  if (!g_atomic_int_add(&STATE->fork_turns, 0) || in_forked_child()
+      || !is_programs((uint64_t)gum_invocation_context_get_return_address(ic))
+      || !is_programs((uint64_t)gum_invocation_context_get_nth_argument(ic, 2))
+      || g_atomic_int_add(&STATE->fork_turn, 0) == (int)raw_syscall3(186 /* gettid */, 0, 0, 0))
+    return; /* the last: a fork()'s own thread, in an atfork handler, must not wait for itself */
+  int pending;
+  while (g_atomic_int_add(&STATE->threads_starting, 1),
+         (pending = g_atomic_int_add(&STATE->forks_pending, 0)) != 0) {
+    thread_start_done();
+    while ((pending = g_atomic_int_add(&STATE->forks_pending, 0)) != 0)
+      bt_futex_wait((uint32_t *)&STATE->forks_pending, (uint32_t)pending, 1000000);
+  }
+  *counted = 1;
+}
+
+void bt_on_pthread_create_leave(GumInvocationContext *ic) {
+  if (*GUM_IC_GET_INVOCATION_DATA(ic, int) && gum_invocation_context_get_return_value(ic) != 0)
+    thread_start_done(); /* no thread started */
+}
+
+/* With the fork turn taken: 2 s at most, should a count never come down (a thread whose
+   onAdded never ran). */
+static void wait_for_thread_starts(void) {
+  g_atomic_int_add(&STATE->forks_pending, 1);
+  int n;
+  for (int waited = 0; (n = g_atomic_int_add(&STATE->threads_starting, 0)) > 0 && waited < 2000;
+       waited++) {
+    give_fork_turn(); /* the starting thread takes it in its onAdded */
+    bt_futex_wait((uint32_t *)&STATE->threads_starting, (uint32_t)n, 1000000);
+    take_fork_turn();
+  }
+}
+
+static void fork_no_longer_pending(void) {
+  int n = g_atomic_int_add(&STATE->forks_pending, 0);
+  while (n > 0 && swap_int(&STATE->forks_pending, n, n - 1) != n)
+    n = g_atomic_int_add(&STATE->forks_pending, 0);
+  if (n == 1)
+    bt_futex_wake((uint32_t *)&STATE->forks_pending);
+}
+
 /* A thread of the program that runs this script's JavaScript as it starts (the thread
    observer) or ends (bt_on_tls_dtors) holds the fork turn throughout, taken before it
    waits for the script's lock: a fork() meanwhile left its child that lock (a recursive
@@ -1015,24 +1103,15 @@ void bt_fork_turn(int take) {
 int bt_thread_turn(uint64_t routine) {
   if (!g_atomic_int_add(&STATE->fork_turns, 0) || in_forked_child())
     return 0;
-  if (routine != 0) {
-    const BtCodeRange *range = code_range(routine);
-    if (range == NULL || range->fridas)
-      return 0;
-  }
+  if (routine != 0 && !is_programs(routine))
+    return 0;
   int me = (int)raw_syscall3(186 /* gettid */, 0, 0, 0);
   if (g_atomic_int_add(&STATE->fork_turn, 0) == me)
     return 0;
   take_fork_turn();
+  if (routine != 0)
+    thread_start_done(); /* counted by bt_on_pthread_create */
   return 1;
-}
-
-void bt_fork_turns(int on) {
-  g_atomic_int_add(&STATE->fork_turns, (on ? 1 : 0) - g_atomic_int_add(&STATE->fork_turns, 0));
-  if (!on) {
-    g_atomic_int_add(&STATE->fork_turn, -g_atomic_int_add(&STATE->fork_turn, 0));
-    wake_turn_waiters();
-  }
 }
 
 void bt_on_fork_enter(GumInvocationContext *ic) {
@@ -1050,6 +1129,8 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
       bt_futex_wait((uint32_t *)&STATE->forks_held, 1, 1000000);
   }
   take_fork_turn();
+  if (g_atomic_int_add(&STATE->fork_turns, 0))
+    wait_for_thread_starts();
   bt_before_fork();
 }
 
@@ -1119,6 +1200,7 @@ void bt_on_fork_done(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0)
     return;
   give_fork_turn();
+  fork_no_longer_pending();
   if (g_atomic_int_add(&STATE->forks_in_flight, 0) > 0)
     g_atomic_int_add(&STATE->forks_in_flight, -1);
 }
@@ -1261,10 +1343,20 @@ void bt_on_tls_dtors(GumInvocationContext *ic) {
   if (t == NULL)
     return;
   write_block_far(t, (uint64_t)ic->function);
-  int turn = bt_thread_turn(0);
+  int turn = t->ending_turn || bt_thread_turn(0);
+  t->ending_turn = 0;
   bt_follow_again();
   if (turn)
     give_fork_turn();
+}
+
+/* Gum's thread registry takes its lock in its own listener at __call_tls_dtors, which runs
+   before ours (bt_on_tls_dtors): the thread takes its fork turn in a callout before its
+   call (docs/fork.md section 18). */
+static void on_thread_ending(GumCpuContext *cpu_context, gpointer user_data) {
+  BtThread *t = user_data;
+  if (!t->ending_turn)
+    t->ending_turn = bt_thread_turn(0);
 }
 
 /* What was mapped for a thread that runs no more of the code compiled for it goes, and its
@@ -2799,6 +2891,9 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     last = insn->address;
     if (insn->id == X86_INS_SYSCALL)
       put_syscall_checks(iterator, cw, t, insn->address);
+    if (insn->size == 5 && insn->bytes[0] == 0xe8 && STATE->tls_dtors != 0
+        && insn->address + 5 + *(const int32_t *)&insn->bytes[1] == STATE->tls_dtors)
+      gum_stalker_iterator_put_callout(iterator, on_thread_ending, t, NULL);
     gum_stalker_iterator_keep(iterator);
   }
   if (tail_slow)

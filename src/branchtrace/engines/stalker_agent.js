@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 808); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 824); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -626,13 +626,13 @@ publishCodeMap();
 
 Process.attachThreadObserver({
   onAdded(thread) {
-    if (!tracing || thread.id !== Process.getCurrentThreadId()) {
-      return;
+    if (thread.id !== Process.getCurrentThreadId()) {
+      return; // a thread already there as the observer came
     }
     const routine = thread.entrypoint ? thread.entrypoint.routine : null;
-    const turn = threadTurn(routine ?? NULL);
+    const turn = threadTurn(routine ?? NULL); // also ends its count (bt_on_pthread_create)
     try {
-      if (!inTracedProcess()) {
+      if (!tracing || !inTracedProcess()) {
         return;
       }
       // Frida's injector starts threads of its own (around fork, with child gating) at code
@@ -668,6 +668,9 @@ function observeEndsOfForksBegunBefore(observe) {
 }
 // After the thread observer, so that it runs after the registry's own hook (see followAgain).
 const tlsDtors = Module.findGlobalExportByName('__call_tls_dtors');
+new NativeFunction(cm.bt_init_thread_starts, 'void', ['pointer'])(tlsDtors ?? NULL);
+attach(libc('pthread_create'),
+  { onEnter: cm.bt_on_pthread_create, onLeave: cm.bt_on_pthread_create_leave });
 if (tlsDtors !== null) {
   attach(tlsDtors, { onEnter: cm.bt_on_tls_dtors });
 }
