@@ -1648,6 +1648,29 @@ def test_follow_fork_threads_started_between_forks_leave_no_message_to_a_child(t
     assert gaps[-1] == 30 and sum(gaps) == 30
 
 
+def test_follow_fork_a_thread_started_by_an_atfork_handler_is_named_and_holds_nothing_up(
+    tmp_path, programs
+):
+    # Under --follow-fork a thread's start waits for a fork() under way, and a fork() waits
+    # for the threads being started (bt_on_pthread_create, bt_thread_turn in
+    # stalker_agent.c).  A thread that a fork()'s own thread starts inside that fork(), in
+    # its atfork parent handler, which joins it, can do neither, nor have its ring before
+    # Frida is done with the fork(): the program hung at its first fork() (at 2f79f1f too).
+    # Such a thread now runs untraced, and is named.
+    exe = programs["atforkthread"]
+    res, trace = record_following_forks(tmp_path, exe, "3")
+    assert res.returncode == 0 and res.stdout == "3 of 3 children ok\n", res.stderr
+    meta = trace.meta()
+    parent = meta["pid"]
+    assert_children_exited_0(meta, 3, res.stderr)
+    assert [calls_to(trace, int(child), exe, "f") for child in meta["processes"]] == [3] * 3
+    in_fork = [e for e in meta["untraced_threads"] if e["start"] == "inside fork()"]
+    assert len(in_fork) == 3 and {e["pid"] for e in in_fork} == {parent}, meta
+    assert res.stderr.count("was started inside a fork() of its own process") == 3
+    assert "(3 more not traced)" in res.stderr
+    assert [t for t in trace.threads() if meta["threads"][str(t)]["pid"] == parent] == [parent]
+
+
 @pytest.mark.parametrize("mode", ["stream", "wrap"])
 def test_follow_fork_traces_parent_and_child_exactly(tmp_path, programs, mode):
     res = record(tmp_path / "d", "--follow-fork", "--", str(programs["fork"]), mode=mode)

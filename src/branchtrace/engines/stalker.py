@@ -1363,6 +1363,14 @@ class _Recording:
                     self.traced_from = str(event["at"])
                 elif event.get("type") == "late-hook":
                     self._error(_LATE_HOOK[str(event["what"])].format(tid=event["tid"], pid=pid))
+                elif event.get("type") == "thread-untraced" and event.get("inFork"):
+                    tid = int(event["tid"])
+                    self._error(
+                        f"thread {tid} of pid {pid} was started inside a fork() of its own "
+                        "process (by an atfork handler), so not traced: it cannot have its "
+                        "ring while Frida handles that fork() (docs/fork.md section 18)"
+                    )
+                    self.untraced_threads.append({"pid": pid, "tid": tid, "start": "inside fork()"})
                 elif event.get("type") == "thread-untraced":
                     self.threads_at_no_module += 1
                     self.untraced_threads.append(

@@ -214,6 +214,7 @@ typedef struct {
   int fork_turns;        /* fork()s take turns (bt_fork_turns) */
   int threads_starting;  /* from the program's pthread_create() to the thread's onAdded */
   int forks_pending;     /* fork()s that new threads wait for (wait_for_thread_starts) */
+  int starts_in_fork;    /* threads started by a fork()'s own thread inside it, not yet up */
   uint64_t tls_dtors;    /* __call_tls_dtors, or 0 */
 } BtState;
 
@@ -1033,18 +1034,23 @@ static int is_programs(uint64_t address) {
   return range != NULL && !range->fridas;
 }
 
-static void thread_start_done(void) {
-  int *starting = &STATE->threads_starting;
-  int n = g_atomic_int_add(starting, 0);
-  while (n > 0 && swap_int(starting, n, n - 1) != n)
-    n = g_atomic_int_add(starting, 0);
+/* Takes one off a count that is above 0, and wakes its waiters as it reaches 0. */
+static void take_one(int *count) {
+  int n = g_atomic_int_add(count, 0);
+  while (n > 0 && swap_int(count, n, n - 1) != n)
+    n = g_atomic_int_add(count, 0);
   if (n == 1)
-    bt_futex_wake((uint32_t *)starting);
+    bt_futex_wake((uint32_t *)count);
+}
+
+static void thread_start_done(void) {
+  take_one(&STATE->threads_starting);
 }
 
 void bt_init_thread_starts(uint64_t tls_dtors) {
   STATE->threads_starting = 0;
   STATE->forks_pending = 0;
+  STATE->starts_in_fork = 0;
   STATE->tls_dtors = tls_dtors;
 }
 
@@ -1053,9 +1059,16 @@ void bt_on_pthread_create(GumInvocationContext *ic) {
   *counted = 0;
   if (!g_atomic_int_add(&STATE->fork_turns, 0) || in_forked_child()
       || !is_programs((uint64_t)gum_invocation_context_get_return_address(ic))
-      || !is_programs((uint64_t)gum_invocation_context_get_nth_argument(ic, 2))
-      || g_atomic_int_add(&STATE->fork_turn, 0) == (int)raw_syscall3(186 /* gettid */, 0, 0, 0))
-    return; /* the last: a fork()'s own thread, in an atfork handler, must not wait for itself */
+      || !is_programs((uint64_t)gum_invocation_context_get_nth_argument(ic, 2)))
+    return;
+  if (g_atomic_int_add(&STATE->fork_turn, 0) == (int)raw_syscall3(186 /* gettid */, 0, 0, 0)) {
+    /* a fork()'s own thread, in an atfork handler: the thread it starts is up before that
+       fork() is done, so it can neither wait for the fork() nor have its ring (the host's
+       answer comes once Frida is done with the fork()): it goes untraced (bt_thread_turn) */
+    g_atomic_int_add(&STATE->starts_in_fork, 1);
+    *counted = 2;
+    return;
+  }
   int pending;
   while (g_atomic_int_add(&STATE->threads_starting, 1),
          (pending = g_atomic_int_add(&STATE->forks_pending, 0)) != 0) {
@@ -1067,8 +1080,13 @@ void bt_on_pthread_create(GumInvocationContext *ic) {
 }
 
 void bt_on_pthread_create_leave(GumInvocationContext *ic) {
-  if (*GUM_IC_GET_INVOCATION_DATA(ic, int) && gum_invocation_context_get_return_value(ic) != 0)
+  int counted = *GUM_IC_GET_INVOCATION_DATA(ic, int);
+  if (counted == 0 || gum_invocation_context_get_return_value(ic) == 0)
+    return;
+  if (counted == 1)
     thread_start_done(); /* no thread started */
+  else
+    take_one(&STATE->starts_in_fork);
 }
 
 /* With the fork turn taken: 2 s at most, should a count never come down (a thread whose
@@ -1084,22 +1102,15 @@ static void wait_for_thread_starts(void) {
   }
 }
 
-static void fork_no_longer_pending(void) {
-  int n = g_atomic_int_add(&STATE->forks_pending, 0);
-  while (n > 0 && swap_int(&STATE->forks_pending, n, n - 1) != n)
-    n = g_atomic_int_add(&STATE->forks_pending, 0);
-  if (n == 1)
-    bt_futex_wake((uint32_t *)&STATE->forks_pending);
-}
-
 /* A thread of the program that runs this script's JavaScript as it starts (the thread
    observer) or ends (bt_on_tls_dtors) holds the fork turn throughout, taken before it
    waits for the script's lock: a fork() meanwhile left its child that lock (a recursive
    mutex) held by a thread the child does not have, and Frida's recovery in the child
    waited on it for good, its parent in waitpid() (docs/fork.md section 18).  Not a thread
    started at code in no module or in Frida's: Frida's injector starts one around a fork()
-   (with child gating), and that fork()'s recovery waits for it.  Returns whether it took
-   the turn (1: give it back with bt_fork_turn(0)). */
+   (with child gating), and that fork()'s recovery waits for it.  Returns 1 if it took the
+   turn (give it back with bt_fork_turn(0)), 2 for a thread that a fork()'s own thread
+   started inside that fork() (bt_on_pthread_create), which is not to be traced, else 0. */
 int bt_thread_turn(uint64_t routine) {
   if (!g_atomic_int_add(&STATE->fork_turns, 0) || in_forked_child())
     return 0;
@@ -1108,6 +1119,10 @@ int bt_thread_turn(uint64_t routine) {
   int me = (int)raw_syscall3(186 /* gettid */, 0, 0, 0);
   if (g_atomic_int_add(&STATE->fork_turn, 0) == me)
     return 0;
+  if (routine != 0 && g_atomic_int_add(&STATE->starts_in_fork, 0) > 0) {
+    take_one(&STATE->starts_in_fork);
+    return 2;
+  }
   take_fork_turn();
   if (routine != 0)
     thread_start_done(); /* counted by bt_on_pthread_create */
@@ -1200,7 +1215,7 @@ void bt_on_fork_done(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0)
     return;
   give_fork_turn();
-  fork_no_longer_pending();
+  take_one(&STATE->forks_pending);
   if (g_atomic_int_add(&STATE->forks_in_flight, 0) > 0)
     g_atomic_int_add(&STATE->forks_in_flight, -1);
 }

@@ -635,6 +635,10 @@ Process.attachThreadObserver({
       if (!tracing || !inTracedProcess()) {
         return;
       }
+      if (turn === 2) {
+        note({ type: 'thread-untraced', tid: thread.id, routine: routine.toString(), inFork: true });
+        return;
+      }
       // Frida's injector starts threads of its own (around fork, with child gating) at code
       // in no module; a program's threads start at a function of the program or a library.
       if (routine !== null && Process.findModuleByAddress(routine) === null) {
@@ -643,7 +647,7 @@ Process.attachThreadObserver({
       }
       followNewThread();
     } finally {
-      if (turn) {
+      if (turn === 1) {
         giveForkTurn(0);
       }
     }
