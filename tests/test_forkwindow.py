@@ -549,6 +549,78 @@ def test_a_never_reported_child_whose_parent_ended_is_named_under_that_parent(mo
             target.stdout.close()
 
 
+def test_an_unreported_child_asleep_in_fridas_code_is_killed_and_one_asleep_in_its_own_is_not(
+    monkeypatch, tmp_path
+):
+    # A child forked while another thread of its parent held a lock of Frida's waits on it
+    # for good in Frida's recovery, and its parent waits for the child: the recording hung
+    # until Ctrl-C (docs/fork.md section 18).  Here the child sleeps in pause() called from
+    # code mapped from a file named like Frida's agent; its sibling sleeps in its own code.
+    monkeypatch.setattr(stalker, "FROZEN_AFTER", 0.1)
+    monkeypatch.setattr(stalker, "STUCK_AFTER", 0.3)
+    agent = tmp_path / "frida-agent-64.so"
+    agent.write_bytes(bytes([0xB8, 34, 0, 0, 0, 0x0F, 0x05, 0xC3]).ljust(4096, b"\0"))
+    program = (
+        "import ctypes, os, sys, time\n"
+        "sys.stdin.readline()\n"
+        "stuck = os.fork()\n"
+        "if stuck == 0:\n"
+        "    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    libc.mmap.restype = ctypes.c_void_p\n"
+        "    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,"
+        " ctypes.c_int, ctypes.c_long]\n"
+        f"    fd = os.open({str(agent)!r}, os.O_RDONLY)\n"
+        "    code = libc.mmap(None, 4096, 5, 2, fd, 0)  # PROT_READ|PROT_EXEC, MAP_PRIVATE\n"
+        "    ctypes.CFUNCTYPE(ctypes.c_long)(code)()  # pause()\n"
+        "    os._exit(0)\n"
+        "sleeping = os.fork()\n"
+        "if sleeping == 0:\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print(stuck, sleeping, flush=True)\n"
+        "print(os.waitpid(stuck, 0)[1], flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    frida, errors = FakeFrida(), []
+    with ExitWatcher() as watcher:
+        follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
+        target = python_program(program)
+        try:
+            time.sleep(0.05)  # the children start a clock tick or more after gating began
+            follower.watch(frida, target.pid)
+            target.stdin.write("go\n")
+            target.stdin.flush()
+            stuck, sleeping = (int(x) for x in target.stdout.readline().split())
+            deadline = time.monotonic() + 10
+            while stuck not in follower.killed and time.monotonic() < deadline:
+                follower.frozen()  # as while recording, every FORK_CHECK_INTERVAL
+                time.sleep(0.05)
+            assert stuck in follower.killed and sleeping not in follower.killed
+            assert int(target.stdout.readline()) == signal.SIGKILL  # its parent went on
+            processes = follower.close()
+            assert processes == {
+                stuck: {
+                    "ppid": target.pid,
+                    "untraced": "stuck before Frida reported it",
+                    "stuck": True,
+                    "signal": signal.SIGKILL.value,
+                },
+                sleeping: {"ppid": target.pid, "untraced": "never reported by Frida"},
+            }
+            assert errors[0] == (
+                f"forked child {stuck} of pid {target.pid} waited for good inside Frida's "
+                "recovery from a fork(), before Frida reported it: on a lock of Frida's that "
+                "another thread of its parent held at the fork() (a Frida bug; docs/fork.md "
+                "section 18): it could never run again: branchtrace killed it after 0 s, so "
+                "that its parent could go on; it was not traced"
+            )
+            assert len(errors) == 2 and f"child {sleeping} of pid {target.pid}" in errors[1]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(target.pid, signal.SIGKILL)
+            target.communicate()
+
+
 def test_a_child_given_the_id_of_one_killed_frozen_is_let_go_untraced_and_that_one_kept():
     # meta.json keeps the ending of a child killed frozen under its pid; a child given an
     # earlier traced child's pid is traced under a key of its own (test_record.py)

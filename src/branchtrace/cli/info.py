@@ -124,6 +124,8 @@ def recording_summary(path: Path) -> dict[str, Any]:
 def _ending(meta: dict[str, Any]) -> str:
     if meta.get("frozen"):  # a forked child that froze in Frida's recovery from its fork()
         return "frozen in Frida's fork() recovery, killed"
+    if meta.get("stuck"):  # a forked child stuck on a lock in Frida's recovery from its fork()
+        return "stuck in Frida's fork() recovery, killed"
     if meta.get("untraced"):  # a forked child Frida could not trace
         return "not traced"
     if meta.get("no_code_traced"):  # a forked child that faulted while Frida took it over

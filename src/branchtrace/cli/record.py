@@ -143,8 +143,8 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
 
         sites = crash_sites(result.output, result.pid, crashed)
     for key, ending in result.processes.items():
-        if ending.get("frozen") or ending.get("no_code_traced"):  # named in a warning of its own
-            continue
+        if ending.get("frozen") or ending.get("stuck") or ending.get("no_code_traced"):
+            continue  # named in a warning of its own
         if ending.get("execd_by") and ending.get("ppid") is None:
             continue  # the program's own exec: the last line says how it ended
         child = f"forked child {thread_label(key)}"

@@ -78,6 +78,7 @@ from .forkwindow import (
     kill_held,
     proc_stat,
     stopped_by_us,
+    waits_in_frida,
 )
 from .fridatmp import remove_daemon_copies
 from .procevents import ExitWatcher, describe
@@ -119,6 +120,10 @@ ENDING_WAIT = 30.0
 #: how long Frida's injector holds a thread stopped inside Frida's recovery from a fork()
 #: before the process counts as frozen there (_ForkCounters._held_by_frida)
 FROZEN_AFTER = 1.0
+#: how long a forked child Frida has not reported may sleep in Frida's code (waits_in_frida)
+#: before it counts as stuck in Frida's recovery for good; Frida reports a child within
+#: milliseconds
+STUCK_AFTER = 5.0
 
 _PRELUDE = """
 #include <gum/gumstalker.h>
@@ -1688,6 +1693,10 @@ class _ForkFollower:
         self._gated_since: dict[int, int] = {}
         #: children found frozen in Frida's recovery from their fork() and killed -> parent
         self.killed: dict[int, int] = {}
+        #: those of them found stuck on a lock there rather than stopped (STUCK_AFTER)
+        self.stuck: set[int] = set()
+        #: since when each unreported child has been seen asleep in Frida's code
+        self._waiting_since: dict[int, float] = {}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closing = False
         self._closing_lock = threading.Lock()
@@ -1925,6 +1934,9 @@ class _ForkFollower:
             kid for kid in unreported if young_too or now - self._listed_since[kid] >= FROZEN_AFTER
         }
         self._held.keep(looked_at)
+        self._waiting_since = {
+            kid: since for kid, since in self._waiting_since.items() if kid in looked_at
+        }
         held = False
         for kid in looked_at:
             parent = unreported[kid]
@@ -1933,7 +1945,20 @@ class _ForkFollower:
                 self._kill(kid, parent)
             elif held_for is not None:
                 held = True
+            elif self._stuck_for(kid, now) >= STUCK_AFTER:
+                self._kill(kid, parent)
+                self.stuck.add(kid)
         return held
+
+    def _stuck_for(self, kid: int, now: float) -> float:
+        """For how long `kid`, not reported by Frida, has been seen asleep in Frida's code on
+        end (waits_in_frida).  Seen: a child forked while another thread of its parent held
+        a lock of Frida's, which Frida's recovery in the child waits on for good, and its
+        parent waits for the child (docs/fork.md section 18)."""
+        if not waits_in_frida(kid):
+            self._waiting_since.pop(kid, None)
+            return 0.0
+        return now - self._waiting_since.setdefault(kid, now)
 
     def _never_reported(self, let_go: set[int]) -> dict[int, list[int]]:
         """The children of the watched processes, forked since child gating began there,
@@ -2048,6 +2073,10 @@ class _ForkFollower:
             thread.join()
         processes: dict[int, dict[str, Any]] = {}
         for pid, parent in self.killed.items():
+            if pid in self.stuck:
+                self.rec._error(_stuck_child_warning(pid, parent))
+                processes[pid] = {"ppid": parent, "untraced": "stuck before Frida reported it"}
+                continue
             self.rec._error(
                 _frozen(
                     f"forked child {pid} of pid {parent}",
@@ -2118,7 +2147,7 @@ class _ForkFollower:
         for pid in self.killed:
             key = self.image.get(pid, pid)  # killed in the image it ran then
             entry = processes[key if key in processes else pid]
-            entry["frozen"] = True
+            entry["stuck" if pid in self.stuck else "frozen"] = True
             entry.setdefault("signal", signal.SIGKILL.value)
         return processes
 
@@ -2717,6 +2746,16 @@ def _dropped_warning(what: str, reason: str) -> str:
 def _ticks_now() -> int:
     """Now, in the clock ticks since boot of a process's start time (_start_time)."""
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def _stuck_child_warning(pid: int, parent: int) -> str:
+    return (
+        f"forked child {pid} of pid {parent} waited for good inside Frida's recovery from a "
+        "fork(), before Frida reported it: on a lock of Frida's that another thread of its "
+        "parent held at the fork() (a Frida bug; docs/fork.md section 18): it could never "
+        f"run again: branchtrace killed it after {STUCK_AFTER:.0f} s, so that its parent "
+        "could go on; it was not traced"
+    )
 
 
 def _never_reported_warning(parent: int, kids: list[int]) -> str:
