@@ -1697,6 +1697,9 @@ class _ForkFollower:
         self.stuck: set[int] = set()
         #: since when each unreported child has been seen asleep in Frida's code
         self._waiting_since: dict[int, float] = {}
+        #: forked children Frida reported that could not be traced -> parent: looked at as
+        #: unreported ones are (a child stuck in Frida's recovery times the agent's load out)
+        self._failed_forks: dict[int, int] = {}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closing = False
         self._closing_lock = threading.Lock()
@@ -1843,6 +1846,8 @@ class _ForkFollower:
             why = str(e) or type(e).__name__
             self.untraced[key] = why
             self.rec._error(f"{what} is not traced: {why}")
+            if image is None:
+                self._failed_forks[pid] = self.parents[key]
         finally:
             self.children[key] = (session, agent)
             with contextlib.suppress(Exception):
@@ -1934,9 +1939,20 @@ class _ForkFollower:
             kid for kid in unreported if young_too or now - self._listed_since[kid] >= FROZEN_AFTER
         }
         self._held.keep(looked_at)
-        self._waiting_since = {
-            kid: since for kid, since in self._waiting_since.items() if kid in looked_at
+        failed = {
+            kid: parent
+            for kid, parent in self._failed_forks.items()
+            if kid not in self.killed and _parent_of(kid) == parent
         }
+        self._waiting_since = {
+            kid: since
+            for kid, since in self._waiting_since.items()
+            if kid in looked_at or kid in failed
+        }
+        for kid, parent in failed.items():
+            if self._stuck_for(kid, now) >= STUCK_AFTER:
+                self._kill(kid, parent)
+                self.stuck.add(kid)
         held = False
         for kid in looked_at:
             parent = unreported[kid]
@@ -2074,8 +2090,10 @@ class _ForkFollower:
         processes: dict[int, dict[str, Any]] = {}
         for pid, parent in self.killed.items():
             if pid in self.stuck:
-                self.rec._error(_stuck_child_warning(pid, parent))
-                processes[pid] = {"ppid": parent, "untraced": "stuck before Frida reported it"}
+                reported = pid in self._reported
+                self.rec._error(_stuck_child_warning(pid, parent, reported))
+                if pid not in self.children:  # never taken up: no ending of its own below
+                    processes[pid] = {"ppid": parent, "untraced": "stuck before Frida reported it"}
                 continue
             self.rec._error(
                 _frozen(
@@ -2748,10 +2766,11 @@ def _ticks_now() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
-def _stuck_child_warning(pid: int, parent: int) -> str:
+def _stuck_child_warning(pid: int, parent: int, reported: bool) -> str:
+    when = "after Frida reported it" if reported else "before Frida reported it"
     return (
         f"forked child {pid} of pid {parent} waited for good inside Frida's recovery from a "
-        "fork(), before Frida reported it: on a lock of Frida's that another thread of its "
+        f"fork(), {when}: on a lock of Frida's that another thread of its "
         "parent held at the fork() (a Frida bug; docs/fork.md section 18): it could never "
         f"run again: branchtrace killed it after {STUCK_AFTER:.0f} s, so that its parent "
         "could go on; it was not traced"
