@@ -415,28 +415,14 @@ def stuck_on(pid: int, libc_too: bool = False) -> HeldLock | None:
         _let_go(pid)
 
 
-def _asleep(pid: int) -> bool:
-    """Whether every thread of `pid` is asleep (state S) and none in a tracing stop."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tids:
-        try:
-            text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except OSError:
-            return False
-        if text[text.rindex(")") + 2 :].split()[0] != "S":
-            return False
-    return bool(tids)
-
-
 def waits_in_frida(pid: int) -> bool:
-    """Whether `pid`, a forked child, is asleep in Frida's code: every thread asleep, and its
-    first thread (the one that forked) in a system call made by Frida's agent, or by the C
-    library called from it.  Such a child has run none of the program's code since its
-    fork(): Frida's recovery from the fork() holds it until Frida reports it."""
-    if not _asleep(pid):
+    """Whether `pid`, a forked child, waits in Frida's code: its first thread (the one that
+    forked) asleep in a system call made by Frida's agent, or by the C library called from
+    it (Frida's other threads in it may spin or sleep).  Such a child has run none of the
+    program's code since its fork(): Frida's recovery from the fork() holds it until Frida
+    reports it, or, one whose take-up failed, for good."""
+    stat = proc_stat(pid)
+    if stat is None or stat[0] != "S":
         return False
     try:
         fields = Path(f"/proc/{pid}/syscall").read_text().split()

@@ -78,6 +78,7 @@ from .forkwindow import (
     kill_held,
     proc_stat,
     stopped_by_us,
+    stuck_on,
     waits_in_frida,
 )
 from .fridatmp import remove_daemon_copies
@@ -1967,11 +1968,13 @@ class _ForkFollower:
         return held
 
     def _stuck_for(self, kid: int, now: float) -> float:
-        """For how long `kid`, not reported by Frida, has been seen asleep in Frida's code on
-        end (waits_in_frida).  Seen: a child forked while another thread of its parent held
-        a lock of Frida's, which Frida's recovery in the child waits on for good, and its
-        parent waits for the child (docs/fork.md section 18)."""
-        if not waits_in_frida(kid):
+        """For how long `kid`, not reported by Frida (or not taken up), has been seen waiting
+        in Frida's code (waits_in_frida), or, of one thread, on a lock of Frida's held by a
+        thread it does not have (stuck_on: spinning on Frida's heap lock, most often), on
+        end.  Seen: a child forked while another thread of its parent held a lock of
+        Frida's, which Frida's recovery in the child waits on for good, and its parent waits
+        for the child (docs/fork.md section 18)."""
+        if not waits_in_frida(kid) and stuck_on(kid) is None:
             self._waiting_since.pop(kid, None)
             return 0.0
         return now - self._waiting_since.setdefault(kid, now)
