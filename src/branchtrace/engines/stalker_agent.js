@@ -636,7 +636,9 @@ Process.attachThreadObserver({
         return;
       }
       if (turn === 2) {
-        note({ type: 'thread-untraced', tid: thread.id, routine: routine.toString(), inFork: true });
+        note({
+          type: 'thread-untraced', tid: thread.id, routine: routine.toString(), inFork: true,
+        });
         return;
       }
       // Frida's injector starts threads of its own (around fork, with child gating) at code
@@ -673,8 +675,6 @@ function observeEndsOfForksBegunBefore(observe) {
 // After the thread observer, so that it runs after the registry's own hook (see followAgain).
 const tlsDtors = Module.findGlobalExportByName('__call_tls_dtors');
 new NativeFunction(cm.bt_init_thread_starts, 'void', ['pointer'])(tlsDtors ?? NULL);
-attach(libc('pthread_create'),
-  { onEnter: cm.bt_on_pthread_create, onLeave: cm.bt_on_pthread_create_leave });
 if (tlsDtors !== null) {
   attach(tlsDtors, { onEnter: cm.bt_on_tls_dtors });
 }
@@ -889,6 +889,10 @@ rpc.exports = {
     const last = attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
     forkDone.detach();
     forkDone = last;
+    // only with the turns on (--follow-fork): each hook costs every thread a stop by Gum at
+    // the end (letGoOfAll)
+    attach(libc('pthread_create'),
+      { onEnter: cm.bt_on_pthread_create, onLeave: cm.bt_on_pthread_create_leave });
     forkTurns(1);
   },
   // hold new fork()s (bt_hold_forks); how many are still under way
