@@ -125,6 +125,10 @@ FROZEN_AFTER = 1.0
 #: before it counts as stuck in Frida's recovery for good; Frida reports a child within
 #: milliseconds
 STUCK_AFTER = 5.0
+#: for how long after it is listed (or its take-up failed) such a child is also stopped for
+#: a moment, now and then, to see whether it spins on a lock (stuck_on): a child that runs
+#: the program's code untraced is not stopped for the rest of the recording
+SPIN_CHECKS_FOR = 30.0
 
 _PRELUDE = """
 #include <gum/gumstalker.h>
@@ -1698,9 +1702,10 @@ class _ForkFollower:
         self.stuck: set[int] = set()
         #: since when each unreported child has been seen asleep in Frida's code
         self._waiting_since: dict[int, float] = {}
-        #: forked children Frida reported that could not be traced -> parent: looked at as
-        #: unreported ones are (a child stuck in Frida's recovery times the agent's load out)
-        self._failed_forks: dict[int, int] = {}
+        #: forked children Frida reported that could not be traced -> (parent, when): looked
+        #: at as unreported ones are (a child stuck in Frida's recovery times the agent's
+        #: load out)
+        self._failed_forks: dict[int, tuple[int, float]] = {}
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closing = False
         self._closing_lock = threading.Lock()
@@ -1848,7 +1853,7 @@ class _ForkFollower:
             self.untraced[key] = why
             self.rec._error(f"{what} is not traced: {why}")
             if image is None:
-                self._failed_forks[pid] = self.parents[key]
+                self._failed_forks[pid] = (self.parents[key], time.monotonic())
         finally:
             self.children[key] = (session, agent)
             with contextlib.suppress(Exception):
@@ -1941,8 +1946,8 @@ class _ForkFollower:
         }
         self._held.keep(looked_at)
         failed = {
-            kid: parent
-            for kid, parent in self._failed_forks.items()
+            kid: (parent, since)
+            for kid, (parent, since) in self._failed_forks.items()
             if kid not in self.killed and _parent_of(kid) == parent
         }
         self._waiting_since = {
@@ -1950,8 +1955,8 @@ class _ForkFollower:
             for kid, since in self._waiting_since.items()
             if kid in looked_at or kid in failed
         }
-        for kid, parent in failed.items():
-            if self._stuck_for(kid, now) >= STUCK_AFTER:
+        for kid, (parent, since) in failed.items():
+            if self._stuck_for(kid, now, now - since < SPIN_CHECKS_FOR) >= STUCK_AFTER:
                 self._kill(kid, parent)
                 self.stuck.add(kid)
         held = False
@@ -1962,19 +1967,22 @@ class _ForkFollower:
                 self._kill(kid, parent)
             elif held_for is not None:
                 held = True
-            elif self._stuck_for(kid, now) >= STUCK_AFTER:
+            elif (
+                self._stuck_for(kid, now, now - self._listed_since[kid] < SPIN_CHECKS_FOR)
+                >= STUCK_AFTER
+            ):
                 self._kill(kid, parent)
                 self.stuck.add(kid)
         return held
 
-    def _stuck_for(self, kid: int, now: float) -> float:
+    def _stuck_for(self, kid: int, now: float, spin_check: bool) -> float:
         """For how long `kid`, not reported by Frida (or not taken up), has been seen waiting
         in Frida's code (waits_in_frida), or, of one thread, on a lock of Frida's held by a
         thread it does not have (stuck_on: spinning on Frida's heap lock, most often), on
         end.  Seen: a child forked while another thread of its parent held a lock of
         Frida's, which Frida's recovery in the child waits on for good, and its parent waits
         for the child (docs/fork.md section 18)."""
-        if not waits_in_frida(kid) and stuck_on(kid) is None:
+        if not waits_in_frida(kid) and (not spin_check or stuck_on(kid) is None):
             self._waiting_since.pop(kid, None)
             return 0.0
         return now - self._waiting_since.setdefault(kid, now)
