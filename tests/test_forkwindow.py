@@ -464,6 +464,27 @@ def python_program(program: str) -> subprocess.Popen:
     )
 
 
+@contextlib.contextmanager
+def program_under_follower(program: str):
+    """`program` (python_program), watched by a _ForkFollower of a fake Frida a clock tick
+    or more after it starts (its children start after gating began), then sent "go":
+    (follower, program, the follower's errors).  Killed, with its children, at the end."""
+    frida, errors = FakeFrida(), []
+    with ExitWatcher() as watcher:
+        follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
+        target = python_program(program)
+        try:
+            time.sleep(0.05)
+            follower.watch(frida, target.pid)
+            target.stdin.write("go\n")
+            target.stdin.flush()
+            yield follower, target, errors
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(target.pid, signal.SIGKILL)
+            target.communicate()
+
+
 def test_a_child_forked_during_the_recording_that_frida_never_reported_is_named(monkeypatch):
     # Frida lost such a child (threads starting while others forked): it waited in Frida's
     # code for good, its parent with it, and the recording named it nowhere
@@ -523,30 +544,17 @@ def test_a_never_reported_child_whose_parent_ended_is_named_under_that_parent(mo
         "print(pid, flush=True)\n"
         "sys.stdin.readline()\n"
     )
-    frida, errors = FakeFrida(), []
-    with ExitWatcher() as watcher:
-        follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
-        target = python_program(program)
-        try:
-            time.sleep(0.05)  # the child starts a clock tick or more after gating began
-            follower.watch(frida, target.pid)
-            target.stdin.write("go\n")
-            target.stdin.flush()
-            kid = int(target.stdout.readline())
-            follower.frozen()  # as while recording: the children not reported yet are listed
-            target.stdin.write("end\n")
-            target.stdin.flush()
-            target.wait()  # the program ends; its child lives on, reparented
-            assert stalker._parent_of(kid) != target.pid
-            time.sleep(0.3)
-            processes = follower.close()
-            assert processes == {kid: {"ppid": target.pid, "untraced": "never reported by Frida"}}
-            assert len(errors) == 1 and f"child {kid} of pid {target.pid}" in errors[0]
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(target.pid, signal.SIGKILL)
-            target.stdin.close()
-            target.stdout.close()
+    with program_under_follower(program) as (follower, target, errors):
+        kid = int(target.stdout.readline())
+        follower.frozen()  # as while recording: the children not reported yet are listed
+        target.stdin.write("end\n")
+        target.stdin.flush()
+        target.wait()  # the program ends; its child lives on, reparented
+        assert stalker._parent_of(kid) != target.pid
+        time.sleep(0.3)
+        processes = follower.close()
+        assert processes == {kid: {"ppid": target.pid, "untraced": "never reported by Frida"}}
+        assert len(errors) == 1 and f"child {kid} of pid {target.pid}" in errors[0]
 
 
 def test_an_unreported_child_asleep_in_fridas_code_is_killed_and_one_asleep_in_its_own_is_not(
@@ -581,44 +589,32 @@ def test_an_unreported_child_asleep_in_fridas_code_is_killed_and_one_asleep_in_i
         "print(os.waitpid(stuck, 0)[1], flush=True)\n"
         "sys.stdin.readline()\n"
     )
-    frida, errors = FakeFrida(), []
-    with ExitWatcher() as watcher:
-        follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
-        target = python_program(program)
-        try:
-            time.sleep(0.05)  # the children start a clock tick or more after gating began
-            follower.watch(frida, target.pid)
-            target.stdin.write("go\n")
-            target.stdin.flush()
-            stuck, sleeping = (int(x) for x in target.stdout.readline().split())
-            deadline = time.monotonic() + 10
-            while stuck not in follower.killed and time.monotonic() < deadline:
-                follower.frozen()  # as while recording, every FORK_CHECK_INTERVAL
-                time.sleep(0.05)
-            assert stuck in follower.killed and sleeping not in follower.killed
-            assert int(target.stdout.readline()) == signal.SIGKILL  # its parent went on
-            processes = follower.close()
-            assert processes == {
-                stuck: {
-                    "ppid": target.pid,
-                    "untraced": "stuck before Frida reported it",
-                    "stuck": True,
-                    "signal": signal.SIGKILL.value,
-                },
-                sleeping: {"ppid": target.pid, "untraced": "never reported by Frida"},
-            }
-            assert errors[0] == (
-                f"forked child {stuck} of pid {target.pid} waited for good inside Frida's "
-                "recovery from a fork(), before Frida reported it: on a lock of Frida's that "
-                "another thread of its parent held at the fork() (a Frida bug; docs/fork.md "
-                "section 18): it could never run again: branchtrace killed it after 0 s, so "
-                "that its parent could go on; it was not traced"
-            )
-            assert len(errors) == 2 and f"child {sleeping} of pid {target.pid}" in errors[1]
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(target.pid, signal.SIGKILL)
-            target.communicate()
+    with program_under_follower(program) as (follower, target, errors):
+        stuck, sleeping = (int(x) for x in target.stdout.readline().split())
+        deadline = time.monotonic() + 10
+        while stuck not in follower.killed and time.monotonic() < deadline:
+            follower.frozen()  # as while recording, every FORK_CHECK_INTERVAL
+            time.sleep(0.05)
+        assert stuck in follower.killed and sleeping not in follower.killed
+        assert int(target.stdout.readline()) == signal.SIGKILL  # its parent went on
+        processes = follower.close()
+        assert processes == {
+            stuck: {
+                "ppid": target.pid,
+                "untraced": "stuck before Frida reported it",
+                "stuck": True,
+                "signal": signal.SIGKILL.value,
+            },
+            sleeping: {"ppid": target.pid, "untraced": "never reported by Frida"},
+        }
+        assert errors[0] == (
+            f"forked child {stuck} of pid {target.pid} waited for good inside Frida's "
+            "recovery from a fork(), before Frida reported it: on a lock of Frida's that "
+            "another thread of its parent held at the fork() (a Frida bug; docs/fork.md "
+            "section 18): it could never run again: branchtrace killed it after 0 s, so "
+            "that its parent could go on; it was not traced"
+        )
+        assert len(errors) == 2 and f"child {sleeping} of pid {target.pid}" in errors[1]
 
 
 def test_a_child_given_the_id_of_one_killed_frozen_is_let_go_untraced_and_that_one_kept():

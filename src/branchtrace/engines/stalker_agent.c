@@ -1002,11 +1002,8 @@ static void give_fork_turn(void) {
     wake_turn_waiters();
 }
 
-void bt_fork_turn(int take) {
-  if (take)
-    take_fork_turn();
-  else
-    give_fork_turn();
+void bt_give_fork_turn(void) {
+  give_fork_turn();
 }
 
 void bt_fork_turns(int on) {
@@ -1109,7 +1106,7 @@ static void wait_for_thread_starts(void) {
    waited on it for good, its parent in waitpid() (docs/fork.md section 18).  Not a thread
    started at code in no module or in Frida's: Frida's injector starts one around a fork()
    (with child gating), and that fork()'s recovery waits for it.  Returns 1 if it took the
-   turn (give it back with bt_fork_turn(0)), 2 for a thread that a fork()'s own thread
+   turn (give it back with bt_give_fork_turn), 2 for a thread that a fork()'s own thread
    started inside that fork() (bt_on_pthread_create), which is not to be traced, else 0. */
 int bt_thread_turn(uint64_t routine) {
   if (!g_atomic_int_add(&STATE->fork_turns, 0) || in_forked_child())

@@ -272,7 +272,7 @@ forkTurns(0); // not yet: Frida's fork() hook is not in (forkDoneLast)
 // under child gating is delivered in the child too, which dies of it (docs/fork.md section
 // 2): so the thread's messages wait for the turn as well.
 const threadTurn = new NativeFunction(cm.bt_thread_turn, 'int', ['pointer']);
-const giveForkTurn = new NativeFunction(cm.bt_fork_turn, 'void', ['int'],
+const giveForkTurn = new NativeFunction(cm.bt_give_fork_turn, 'void', [],
   { scheduling: 'exclusive' });
 const forksInFlight = new NativeFunction(cm.bt_forks_in_flight, 'int', []);
 const forkKept = new NativeFunction(cm.bt_thread_fork_kept, 'int', ['pointer']);
@@ -650,7 +650,7 @@ Process.attachThreadObserver({
       followNewThread();
     } finally {
       if (turn === 1) {
-        giveForkTurn(0);
+        giveForkTurn();
       }
     }
   },
