@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -419,7 +420,7 @@ def test_a_child_frozen_before_frida_reported_it_is_killed_so_its_parent_goes_on
         assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSEGV
         frida, errors = FakeFrida(), []
         with ExitWatcher() as watcher:
-            follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
+            follower = stalker._ForkFollower(frida, fake_recording(errors, target.pid), watcher)
             follower.watch(frida, target.pid)
             if found == "while recording":
                 for _ in range(2):
@@ -464,6 +465,14 @@ def python_program(program: str) -> subprocess.Popen:
     )
 
 
+def fake_recording(errors: list[str], *traced: int) -> SimpleNamespace:
+    """What _ForkFollower uses of a _Recording: its warnings go to `errors`; the processes
+    `traced` have their main thread traced."""
+    return SimpleNamespace(
+        _error=errors.append, lock=threading.Lock(), thread_pid={pid: pid for pid in traced}
+    )
+
+
 @contextlib.contextmanager
 def program_under_follower(program: str):
     """`program` (python_program), watched by a _ForkFollower of a fake Frida a clock tick
@@ -471,8 +480,8 @@ def program_under_follower(program: str):
     (follower, program, the follower's errors).  Killed, with its children, at the end."""
     frida, errors = FakeFrida(), []
     with ExitWatcher() as watcher:
-        follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
         target = python_program(program)
+        follower = stalker._ForkFollower(frida, fake_recording(errors, target.pid), watcher)
         try:
             time.sleep(0.05)
             follower.watch(frida, target.pid)
@@ -509,7 +518,7 @@ def test_a_child_forked_during_the_recording_that_frida_never_reported_is_named(
         time.sleep(0.05)  # a clock tick (10 ms) or more before the recording
         frida, errors = FakeFrida(), []
         with ExitWatcher() as watcher:
-            follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
+            follower = stalker._ForkFollower(frida, fake_recording(errors, target.pid), watcher)
             follower.watch(frida, target.pid)
             target.stdin.write("go\n")
             target.stdin.flush()
@@ -617,6 +626,71 @@ def test_an_unreported_child_asleep_in_fridas_code_is_killed_and_one_asleep_in_i
         assert len(errors) == 2 and f"child {sleeping} of pid {target.pid}" in errors[1]
 
 
+def test_children_that_ended_before_frida_reported_them_are_named_with_their_ending():
+    # A child of startfork died of SIGSEGV in a thread of Frida's as Frida recovered from its
+    # fork(), before Frida reported it: its parent printed the status, the recording named
+    # it nowhere (docs/fork.md section 19).  A child that calls exec is Frida's to report; a
+    # child forked by a thread not traced is Frida's own (Gum's helper that stops a thread).
+    program = (
+        "import os, signal, sys, threading\n"
+        "sys.stdin.readline()\n"
+        "kids = []\n"
+        "def child(how):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        if how == 'segv':\n"
+        "            os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "        if how == 'exec':\n"
+        "            os.execv('/bin/true', ['true'])\n"
+        "        os._exit(3)\n"
+        "    os.waitpid(pid, 0)\n"
+        "    kids.append(pid)\n"
+        "for how in ('segv', 'exit', 'exec'):\n"
+        "    child(how)\n"
+        "untraced = threading.Thread(target=child, args=('exit',))\n"
+        "untraced.start()\n"
+        "untraced.join()\n"
+        "print(*kids, flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    frida, errors = FakeFrida(), []
+    with ExitWatcher() as watcher:
+        if not watcher.available:
+            pytest.skip("no process events (needs CAP_NET_ADMIN)")
+        target = python_program(program)
+        follower = stalker._ForkFollower(frida, fake_recording(errors, target.pid), watcher)
+        try:
+            follower.watch(frida, target.pid)
+            target.stdin.write("go\n")
+            target.stdin.flush()
+            segv, exits, _, by_untraced = (int(x) for x in target.stdout.readline().split())
+            assert by_untraced in watcher.children(target.pid)
+            time.sleep(0.2)  # the process events come in on a thread of the watcher's
+            processes = follower.close()
+            untraced = "ended before Frida reported it"
+            assert processes == {
+                segv: {
+                    "ppid": target.pid,
+                    "untraced": untraced,
+                    "exit_code": None,
+                    "signal": signal.SIGSEGV.value,
+                    "no_code_traced": True,
+                },
+                exits: {"ppid": target.pid, "untraced": untraced, "exit_code": 3, "signal": None},
+            }
+            assert errors == [
+                f"2 children of pid {target.pid} ({segv}, {exits}), forked during the "
+                f"recording, ended before Frida reported them ({segv}: killed by SIGSEGV; "
+                f"{exits}: exit status 3), so not traced: killed by a signal in Frida's "
+                "takeover after its fork(), or forked past Frida's fork() hook (docs/fork.md "
+                "sections 16 and 19)"
+            ]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(target.pid, signal.SIGKILL)
+            target.communicate()
+
+
 def test_a_child_given_the_id_of_one_killed_frozen_is_let_go_untraced_and_that_one_kept():
     # meta.json keeps the ending of a child killed frozen under its pid; a child given an
     # earlier traced child's pid is traced under a key of its own (test_record.py)
@@ -657,7 +731,7 @@ def test_a_child_frida_reports_only_as_the_recording_stops_is_listed_untraced():
     try:
         frida, errors = LateFrida(), []
         with ExitWatcher() as watcher:
-            follower = stalker._ForkFollower(frida, SimpleNamespace(_error=errors.append), watcher)
+            follower = stalker._ForkFollower(frida, fake_recording(errors, parent.pid), watcher)
             follower.watch(frida, parent.pid)
             processes = follower.close()
     finally:

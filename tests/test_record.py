@@ -1729,6 +1729,13 @@ def test_info_names_a_forked_child_that_frida_could_not_trace(tmp_path, programs
     assert "followed 1 forked child process(es): 1 frozen in Frida's fork() recovery" in (
         info.stdout
     )
+    # a child killed by SIGSEGV in Frida's takeover before Frida reported it
+    del ending["frozen"]
+    ending.update(untraced="ended before Frida reported it", signal=11, no_code_traced=True)
+    trace.write_meta(meta)
+    info = in_process(["info", str(tmp_path / "d")])
+    taken_over = "1 killed by SIGSEGV in Frida's takeover after fork()"
+    assert f"followed 1 forked child process(es): {taken_over}" in info.stdout
 
 
 @pytest.mark.parametrize("mode", ["wrap", "stream"])

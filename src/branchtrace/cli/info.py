@@ -126,10 +126,10 @@ def _ending(meta: dict[str, Any]) -> str:
         return "frozen in Frida's fork() recovery, killed"
     if meta.get("stuck"):  # a forked child stuck on a lock in Frida's recovery from its fork()
         return "stuck in Frida's fork() recovery, killed"
-    if meta.get("untraced"):  # a forked child Frida could not trace
-        return "not traced"
     if meta.get("no_code_traced"):  # a forked child that faulted while Frida took it over
         return f"killed by {signal.Signals(meta['signal']).name} in Frida's takeover after fork()"
+    if meta.get("untraced"):  # a forked child Frida could not trace
+        return "not traced"
     if meta.get("signal"):
         try:
             return f"killed by {signal.Signals(meta['signal']).name}"

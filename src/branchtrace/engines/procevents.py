@@ -41,8 +41,9 @@ class ExitWatcher:
         self._exits: dict[int, list[tuple[int, int]]] = {}  #: pid -> [(time, status)]
         self._born: dict[int, int] = {}  #: pid -> when the process that has it now forked
         self.execs: dict[int, list[int]] = {}  #: pids that called exec -> when
-        #: parent pid (watch_children) -> [(when, child pid)]: the processes it forked
-        self._children: dict[int, list[tuple[int, int]]] = {}
+        #: parent pid (watch_children) -> [(when, child pid, the parent's thread that forked
+        #: it)]: the processes it forked
+        self._children: dict[int, list[tuple[int, int, int]]] = {}
         self._kept: set[int] = set()  #: the children in _children
         self.names: dict[int, str] = {}  #: one of them that called exec -> its name then
         self._cond = threading.Condition()
@@ -83,12 +84,12 @@ class ExitWatcher:
                     break
                 what, _cpu, when = struct.unpack_from("IIQ", data, event)
                 if what == _PROC_EVENT_FORK:
-                    parent, pid, tgid = struct.unpack_from("III", data, event + 20)
+                    forker, parent, pid, tgid = struct.unpack_from("IIII", data, event + 16)
                     if pid == tgid:  # a process, not a thread
                         with self._cond:
                             self._born[pid] = when
                             if parent in self._children:
-                                self._children[parent].append((when, pid))
+                                self._children[parent].append((when, pid, forker))
                                 self._kept.add(pid)
                 elif what == _PROC_EVENT_EXEC:
                     pid, tgid = struct.unpack_from("II", data, event + 16)
@@ -143,9 +144,21 @@ class ExitWatcher:
         `until` or its exit, oldest first (times as time.monotonic_ns()), of those kept
         since watch_children(pid)."""
         with self._cond:
-            end = self._exit(pid, since)
-            until = min(until, end[0]) if end is not None else until
-            return [child for when, child in self._children.get(pid, ()) if since <= when < until]
+            return [child for child, _ in self._forks(pid, since, until)]
+
+    def forks(self, pid: int, since: int = 0, until: int = 1 << 64) -> list[tuple[int, int]]:
+        """As children(), each with the thread of `pid` that forked it: (child, thread id)."""
+        with self._cond:
+            return self._forks(pid, since, until)
+
+    def _forks(self, pid: int, since: int, until: int) -> list[tuple[int, int]]:
+        end = self._exit(pid, since)
+        until = min(until, end[0]) if end is not None else until
+        return [
+            (child, thread)
+            for when, child, thread in self._children.get(pid, ())
+            if since <= when < until
+        ]
 
     def _exit(self, pid: int, since: int) -> tuple[int, int] | None:
         return next((e for e in self._exits.get(pid, ()) if e[0] >= since), None)

@@ -1696,6 +1696,8 @@ class _ForkFollower:
         self._listed_with: dict[int, tuple[int, int | None]] = {}
         #: when child gating began in each watched process (clock ticks since boot)
         self._gated_since: dict[int, int] = {}
+        #: the same as time.monotonic_ns(), the process events' clock (ExitWatcher)
+        self._watched_since: dict[int, int] = {}
         #: children found frozen in Frida's recovery from their fork() and killed -> parent
         self.killed: dict[int, int] = {}
         #: those of them found stuck on a lock there rather than stopped (STUCK_AFTER)
@@ -1739,6 +1741,8 @@ class _ForkFollower:
         self.image.setdefault(pid, pid)
         self.started.setdefault(self.image[pid], _start_time(pid))
         self._gated_since.setdefault(pid, _ticks_now())
+        self._watched_since.setdefault(pid, time.monotonic_ns())
+        self.watcher.watch_children(pid)
         session.enable_child_gating()
         self._gating.append(session)
         self._watched.add(pid)
@@ -2012,6 +2016,29 @@ class _ForkFollower:
                 found.setdefault(parent, []).append(kid)
         return {parent: sorted(kids) for parent, kids in found.items()}
 
+    def _ended_unreported(self, named: set[int], until: int) -> dict[int, list[tuple[int, int]]]:
+        """The children that traced threads of the watched processes forked while child
+        gating was on there (up to `until`, as time.monotonic_ns()) and that ended, without
+        an exec, before Frida told us of them (and are not `named` already): (pid, wait
+        status) by parent.  Seen: a child killed by SIGSEGV in a thread of Frida's as Frida
+        recovered from its fork(), which the recording named nowhere (docs/fork.md section
+        19).  Forks by threads not traced are Frida's own: Gum stops a thread with a helper
+        process (clone() without CLONE_THREAD), in a forked child too."""
+        with self.rec.lock:
+            traced = {(thread_id(pid), thread_id(key)) for key, pid in self.rec.thread_pid.items()}
+        found: dict[int, list[tuple[int, int]]] = {}
+        for parent in sorted(self._watched):
+            since = self._watched_since.get(parent, 0)
+            for kid, forker in self.watcher.forks(parent, since, until):
+                if (parent, forker) not in traced:
+                    continue
+                if kid in self._reported or kid in self.killed or kid in named:
+                    continue
+                status = self.watcher.status(kid, 0.0, since)
+                if status is not None and not self.watcher.execed(kid, since):
+                    found.setdefault(parent, []).append((kid, status))
+        return found
+
     def held_up(self) -> bool:
         """Whether a process frozen in Frida's recovery from a fork() is left so (the attached
         program): Frida's host then answers no call (enumerate_pending_children: no answer
@@ -2052,6 +2079,9 @@ class _ForkFollower:
             self._closing = True
             self._queue.put(None)
         self._worker.join()
+        # the children forked from here on are reported too late, or forked untraced
+        # once gating is off
+        gating_ends = time.monotonic_ns()
         for session in self._gating:
             # as at the attach: a fork() under way as Frida removes its fork() hook gets its
             # preparation without its recovery, and the program hangs, then dies in Frida
@@ -2127,6 +2157,18 @@ class _ForkFollower:
                 too_late.setdefault(parent, []).append(pid)
         for parent, kids in too_late.items():
             self.rec._error(_too_late_warning(parent, kids))
+        for parent, ended in self._ended_unreported(set(processes), gating_ends).items():
+            self.rec._error(_ended_unreported_warning(parent, ended))
+            for pid, status in ended:
+                code, signum = describe(status)
+                processes[pid] = {
+                    "ppid": parent,
+                    "untraced": "ended before Frida reported it",
+                    "exit_code": code,
+                    "signal": signum,
+                }
+                if signum is not None:  # named here, not as a crash of the program's code
+                    processes[pid]["no_code_traced"] = True
         # one wait for them all: a status not in by then will not come (a pid namespace of
         # its own gets no process events: 2 s for each child)
         statuses_due = time.monotonic() + 2
@@ -2794,6 +2836,24 @@ def _never_reported_warning(parent: int, kids: list[int]) -> str:
         f"{'was' if len(kids) == 1 else 'were'} never reported by Frida, so not traced: "
         "forked past Frida's fork() hook, or lost by Frida, which leaves such a child "
         "waiting in its code for good (a Frida bug; docs/fork.md section 16)"
+    )
+
+
+def _ended_unreported_warning(parent: int, ended: list[tuple[int, int]]) -> str:
+    endings = []
+    for pid, status in ended:
+        code, signum = describe(status)
+        if signum is None:
+            endings.append(f"{pid}: exit status {code}")
+        else:
+            name = signal.Signals(signum).name if signum in signal.valid_signals() else signum
+            endings.append(f"{pid}: killed by {name}")
+    kids = [pid for pid, _ in ended]
+    return (
+        f"{_children_of(parent, kids)}, forked during the recording, ended before Frida "
+        f"reported {'it' if len(kids) == 1 else 'them'} ({'; '.join(endings)}), so not "
+        "traced: killed by a signal in Frida's takeover after its fork(), or forked past "
+        "Frida's fork() hook (docs/fork.md sections 16 and 19)"
     )
 
 
