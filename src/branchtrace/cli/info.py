@@ -121,6 +121,15 @@ def recording_summary(path: Path) -> dict[str, Any]:
     return meta
 
 
+def _exit_or_signal(meta: dict[str, Any]) -> str:
+    if meta.get("signal"):
+        try:
+            return f"killed by {signal.Signals(meta['signal']).name}"
+        except ValueError:
+            return f"killed by signal {meta['signal']}"
+    return f"exited with status {meta['exit_code']}"
+
+
 def _ending(meta: dict[str, Any]) -> str:
     if meta.get("frozen"):  # a forked child that froze in Frida's recovery from its fork()
         return "frozen in Frida's fork() recovery, killed"
@@ -128,15 +137,12 @@ def _ending(meta: dict[str, Any]) -> str:
         return "stuck in Frida's fork() recovery, killed"
     if meta.get("no_code_traced"):  # a forked child that faulted while Frida took it over
         return f"killed by {signal.Signals(meta['signal']).name} in Frida's takeover after fork()"
+    if meta.get("ended_unreported"):  # a forked child that ended before Frida reported it
+        return f"{_exit_or_signal(meta)} before Frida reported it, not traced"
     if meta.get("untraced"):  # a forked child Frida could not trace
         return "not traced"
-    if meta.get("signal"):
-        try:
-            return f"killed by {signal.Signals(meta['signal']).name}"
-        except ValueError:
-            return f"killed by signal {meta['signal']}"
-    if meta.get("exit_code") is not None:
-        return f"exited with status {meta['exit_code']}"
+    if meta.get("signal") or meta.get("exit_code") is not None:
+        return _exit_or_signal(meta)
     if meta.get("exec_traced"):  # its new image is traced under a key of its own
         return f"called exec, traced on as {meta['exec_traced']}"
     if meta.get("dropped"):  # Frida dropped our session with it

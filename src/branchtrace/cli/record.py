@@ -63,6 +63,10 @@ def _ending(what: str, exit_code: object, signum: object, detached: object) -> s
 
 
 #: in the recorder a supervising `branchtrace record` runs: that process's pid
+#: the flags of a process's ending (meta.json's processes) that a warning of the recorder
+#: named already
+_NAMED_ALREADY = ("frozen", "stuck", "no_code_traced", "ended_unreported")
+
 _SUPERVISOR = "BRANCHTRACE_SUPERVISOR"
 _PR_SET_PDEATHSIG = 1
 #: seconds a dying supervisor takes to be seen gone (_let_go_if_gone)
@@ -143,7 +147,7 @@ def print_summary(result: RecordResult, what: str, sched: bool = False) -> None:
 
         sites = crash_sites(result.output, result.pid, crashed)
     for key, ending in result.processes.items():
-        if ending.get("frozen") or ending.get("stuck") or ending.get("no_code_traced"):
+        if any(ending.get(named) for named in _NAMED_ALREADY):
             continue  # named in a warning of its own
         if ending.get("execd_by") and ending.get("ppid") is None:
             continue  # the program's own exec: the last line says how it ended

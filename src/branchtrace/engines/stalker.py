@@ -2161,14 +2161,14 @@ class _ForkFollower:
             self.rec._error(_ended_unreported_warning(parent, ended))
             for pid, status in ended:
                 code, signum = describe(status)
+                # named in that warning: whether its own code or Frida's ran is not known
                 processes[pid] = {
                     "ppid": parent,
                     "untraced": "ended before Frida reported it",
+                    "ended_unreported": True,
                     "exit_code": code,
                     "signal": signum,
                 }
-                if signum is not None:  # named here, not as a crash of the program's code
-                    processes[pid]["no_code_traced"] = True
         # one wait for them all: a status not in by then will not come (a pid namespace of
         # its own gets no process events: 2 s for each child)
         statuses_due = time.monotonic() + 2
