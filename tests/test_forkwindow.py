@@ -383,14 +383,16 @@ class FakeFrida:
 
     def __init__(self) -> None:
         self.resumed: list[int] = []
+        self.callbacks: dict[str, Any] = {}  #: by signal: "child-added", "detached"
 
-    def on(self, *_: object) -> None:
+    def on(self, signal_name: str, callback: Any) -> None:
+        self.callbacks[signal_name] = callback
+
+    def off(self, *_: object) -> None:
         pass
 
     def resume(self, pid: int) -> None:
         self.resumed.append(pid)
-
-    off = on
 
     def enumerate_pending_children(self) -> list[object]:
         return []
@@ -630,7 +632,8 @@ def test_children_that_ended_before_frida_reported_them_are_named_with_their_end
     # A child of startfork died of SIGSEGV in a thread of Frida's as Frida recovered from its
     # fork(), before Frida reported it: its parent printed the status, the recording named
     # it nowhere (docs/fork.md section 19).  A child that calls exec is Frida's to report; a
-    # child forked by a thread not traced is Frida's own (Gum's helper that stops a thread).
+    # child forked by a thread not traced is Frida's own (Gum's helper that stops a thread);
+    # one forked once Frida dropped its session with the parent was never gated.
     program = (
         "import os, signal, sys, threading\n"
         "sys.stdin.readline()\n"
@@ -652,6 +655,9 @@ def test_children_that_ended_before_frida_reported_them_are_named_with_their_end
         "untraced.join()\n"
         "print(*kids, flush=True)\n"
         "sys.stdin.readline()\n"
+        "child('exit')\n"
+        "print(kids[-1], flush=True)\n"
+        "sys.stdin.readline()\n"
     )
     frida, errors = FakeFrida(), []
     with ExitWatcher() as watcher:
@@ -664,8 +670,12 @@ def test_children_that_ended_before_frida_reported_them_are_named_with_their_end
             target.stdin.write("go\n")
             target.stdin.flush()
             segv, exits, _, by_untraced = (int(x) for x in target.stdout.readline().split())
-            assert by_untraced in watcher.children(target.pid)
+            frida.callbacks["detached"]("application-requested", None)
+            target.stdin.write("on\n")
+            target.stdin.flush()
+            ungated = int(target.stdout.readline())
             time.sleep(0.2)  # the process events come in on a thread of the watcher's
+            assert {by_untraced, ungated} <= set(watcher.children(target.pid))
             processes = follower.close()
             ended = {
                 "ppid": target.pid,
@@ -715,12 +725,10 @@ def test_a_child_frida_reports_only_as_the_recording_stops_is_listed_untraced():
     # let go untraced; it used to be listed nowhere, a fork() without a child in the
     # recording (docs/fork.md section 16).  A late exec of a traced process is no new child.
     class LateFrida(FakeFrida):
-        def on(self, _: str, callback: Any) -> None:
-            self.child_added = callback
-
         def disable_child_gating(self) -> None:
             for pid, origin in ((424201, "fork"), (parent.pid, "exec")):
-                self.child_added(SimpleNamespace(pid=pid, parent_pid=parent.pid, origin=origin))
+                child = SimpleNamespace(pid=pid, parent_pid=parent.pid, origin=origin)
+                self.callbacks["child-added"](child)
 
         def enumerate_pending_children(self) -> list[object]:
             return [SimpleNamespace(pid=424202, parent_pid=parent.pid, origin="fork")]

@@ -1698,6 +1698,9 @@ class _ForkFollower:
         self._gated_since: dict[int, int] = {}
         #: the same as time.monotonic_ns(), the process events' clock (ExitWatcher)
         self._watched_since: dict[int, int] = {}
+        #: when Frida dropped its session with a watched process that ran on: its children
+        #: from then on are forked ungated, untraced by design
+        self._gating_lost: dict[int, int] = {}
         #: children found frozen in Frida's recovery from their fork() and killed -> parent
         self.killed: dict[int, int] = {}
         #: those of them found stuck on a lock there rather than stopped (STUCK_AFTER)
@@ -1743,9 +1746,14 @@ class _ForkFollower:
         self._gated_since.setdefault(pid, _ticks_now())
         self._watched_since.setdefault(pid, time.monotonic_ns())
         self.watcher.watch_children(pid)
+        session.on("detached", lambda reason, _: self._on_gating_session_detached(pid, reason))
         session.enable_child_gating()
         self._gating.append(session)
         self._watched.add(pid)
+
+    def _on_gating_session_detached(self, pid: int, reason: str) -> None:
+        if reason not in ("process-terminated", "process-replaced"):  # an exec is re-watched
+            self._gating_lost.setdefault(pid, time.monotonic_ns())
 
     def _run(self) -> None:
         while (child := self._queue.get()) is not None:
@@ -2018,18 +2026,20 @@ class _ForkFollower:
 
     def _ended_unreported(self, named: set[int], until: int) -> dict[int, list[tuple[int, int]]]:
         """The children that traced threads of the watched processes forked while child
-        gating was on there (up to `until`, as time.monotonic_ns()) and that ended, without
-        an exec, before Frida told us of them (and are not `named` already): (pid, wait
-        status) by parent.  Seen: a child killed by SIGSEGV in a thread of Frida's as Frida
-        recovered from its fork(), which the recording named nowhere (docs/fork.md section
-        19).  Forks by threads not traced are Frida's own: Gum stops a thread with a helper
-        process (clone() without CLONE_THREAD), in a forked child too."""
+        gating was on there (up to `until`, as time.monotonic_ns(), or until Frida dropped
+        its session with the process) and that ended, without an exec, before Frida told us
+        of them (and are not `named` already): (pid, wait status) by parent.  Seen: a child
+        killed by SIGSEGV in a thread of Frida's as Frida recovered from its fork(), which
+        the recording named nowhere (docs/fork.md section 19).  Forks by threads not traced
+        are Frida's own: Gum stops a thread with a helper process (clone() without
+        CLONE_THREAD), in a forked child too."""
         with self.rec.lock:
             traced = {(thread_id(pid), thread_id(key)) for key, pid in self.rec.thread_pid.items()}
         found: dict[int, list[tuple[int, int]]] = {}
         for parent in sorted(self._watched):
             since = self._watched_since.get(parent, 0)
-            for kid, forker in self.watcher.forks(parent, since, until):
+            gated_until = min(until, self._gating_lost.get(parent, until))
+            for kid, forker in self.watcher.forks(parent, since, gated_until):
                 if (parent, forker) not in traced:
                     continue
                 if kid in self._reported or kid in self.killed or kid in named:
