@@ -1662,6 +1662,31 @@ def test_follow_fork_threads_forking_at_the_same_moment_each_keep_their_child(tm
     assert sorted(meta["threads"][str(t)]["gaps"].get("fork", 0) for t in forkers) == [5] * 4
 
 
+def test_follow_fork_a_forked_childs_threads_forking_at_once_each_keep_their_child(
+    tmp_path, programs
+):
+    # In a forked child our script is loaded after Frida's fork() hook is in, so its fork()
+    # listener ran after Frida's preparation, and the child's threads took no turns: four of
+    # them forking at once killed the child (SIGABRT on "Invalid ID" from Frida, SIGTRAP) or
+    # hung the recording, 4 recordings of 4.  Their turns are now taken in the child's copy
+    # of the fork stub, ahead of Frida's hook (bt_fork_first; docs/fork.md section 20).
+    exe = programs["childthreadforks"]
+    res, trace = record_following_forks(tmp_path, exe, "4", "5")
+    assert res.returncode == 0 and res.stdout == "5 5 5 5\n", res.stderr
+    meta = trace.meta()
+    (child,) = [int(key) for key, e in meta["processes"].items() if e["ppid"] == meta["pid"]]
+    assert meta["processes"][str(child)] == {"ppid": meta["pid"], "exit_code": 0, "signal": None}
+    grandchildren = [int(key) for key, e in meta["processes"].items() if e["ppid"] == child]
+    assert len(grandchildren) == 20 and len(meta["processes"]) == 21, res.stderr
+    for key in grandchildren:
+        assert meta["processes"][str(key)] == {"ppid": child, "exit_code": 0, "signal": None}
+    # thread i's children call f i + 2 times: 5 children of each thread
+    counts = sorted(calls_to(trace, key, exe, "f") for key in grandchildren)
+    assert counts == [2] * 5 + [3] * 5 + [4] * 5 + [5] * 5
+    forkers = [t for t in trace.threads() if meta["threads"][str(t)]["pid"] == child and t != child]
+    assert sorted(meta["threads"][str(t)]["gaps"].get("fork", 0) for t in forkers) == [5] * 4
+
+
 def test_follow_fork_threads_started_between_forks_leave_no_message_to_a_child(tmp_path, programs):
     # A new thread's ring was handed by a message from the recorder to Frida's agent, sent at
     # any time: one on its way as the program forked under child gating killed a child

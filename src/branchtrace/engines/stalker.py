@@ -1858,8 +1858,10 @@ class _ForkFollower:
             self._agents[session] = agent
             if image is None:
                 _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)}, False)
-            else:  # not started yet, so no fork() is under way (as for a spawned program)
-                _bounded(agent.script.exports_sync.fork_done_last)
+            # Not started yet, or still held inside the fork() that made it: no fork() of
+            # its own is under way.  A forked child's threads take their fork turns too,
+            # ahead of Frida's hook (bt_fork_first; docs/fork.md section 20).
+            _bounded(agent.script.exports_sync.fork_done_last)
         except Exception as e:
             why = str(e) or type(e).__name__
             self.untraced[key] = why

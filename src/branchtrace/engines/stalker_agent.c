@@ -118,6 +118,7 @@ typedef struct {
   uint64_t populate_end; /* (populate_ahead), and where its first lap ends */
   int fork_kept;         /* in a fork() called through the fork stub (bt_fork_mark) */
   int ending_turn;       /* holds the fork turn from its call of __call_tls_dtors */
+  int fork_entered;      /* on its way into a fork(), entered ahead of the hook (bt_fork_first) */
 } BtThread;
 
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
@@ -1006,8 +1007,12 @@ void bt_give_fork_turn(void) {
   give_fork_turn();
 }
 
+/* bt_fork_turns(on): in a forked child's script, only fork()s that come through the fork
+   stub take turns (bt_fork_first) */
+#define BT_TURNS_AHEAD_ONLY 2
+
 void bt_fork_turns(int on) {
-  g_atomic_int_add(&STATE->fork_turns, (on ? 1 : 0) - g_atomic_int_add(&STATE->fork_turns, 0));
+  g_atomic_int_add(&STATE->fork_turns, on - g_atomic_int_add(&STATE->fork_turns, 0));
   if (!on) {
     g_atomic_int_add(&STATE->fork_turn, -g_atomic_int_add(&STATE->fork_turn, 0));
     wake_turn_waiters();
@@ -1126,12 +1131,8 @@ int bt_thread_turn(uint64_t routine) {
   return 1;
 }
 
-void bt_on_fork_enter(GumInvocationContext *ic) {
-  /* for the child's leave listener (unfollow_inherited_contexts), in a forked child's copy
-     of this script as well: its own children inherit its contexts */
-  *GUM_IC_GET_INVOCATION_DATA(ic, uint32_t) = (uint32_t)raw_syscall3(186 /* gettid */, 0, 0, 0);
-  if (in_forked_child())
-    return;
+/* Past the hold (bt_hold_forks). */
+static void enter_fork_untaken(void) {
   /* both sides announce themselves with a locked add before they look at the other's word
      (g_atomic_int_add: a full barrier), so either the holder sees this fork in flight or
      this fork sees the hold */
@@ -1140,9 +1141,48 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
     while (g_atomic_int_add(&STATE->forks_held, 0))
       bt_futex_wait((uint32_t *)&STATE->forks_held, 1, 1000000);
   }
+}
+
+/* The way into a fork(): past the hold, then the turn. */
+static void enter_fork(void) {
+  enter_fork_untaken();
   take_fork_turn();
   if (g_atomic_int_add(&STATE->fork_turns, 0))
     wait_for_thread_starts();
+}
+
+/* In a forked child this script was loaded after Frida's fork() hook was in, so its entry
+   listener runs after Frida's preparation for the fork(), too late for the turn: two of the
+   child's threads forking at once died in Frida's code as the parent's did (docs/fork.md
+   section 20).  The child's fork() calls through its GOT go through its copy of the
+   parent's fork stub, which calls this first, ahead of Frida's hook (the mark's slot,
+   forkDoneLast in stalker_agent.js).  Its other fork()s (through a pointer) take no turn
+   (BT_TURNS_AHEAD_ONLY): one taken after Frida's preparation could wait for a fork() that
+   waits in Frida's preparation for this one. */
+void bt_fork_first(void) {
+  BtThread *t = current_thread();
+  if (t == NULL || in_forked_child())
+    return; /* the entry listener takes the turn */
+  t->fork_kept = 1; /* as bt_fork_mark: the script left the stub's `inner` out too */
+  if (!g_atomic_int_add(&STATE->fork_turns, 0))
+    return;
+  enter_fork();
+  t->fork_entered = 1;
+}
+
+void bt_on_fork_enter(GumInvocationContext *ic) {
+  /* for the child's leave listener (unfollow_inherited_contexts), in a forked child's copy
+     of this script as well: its own children inherit its contexts */
+  *GUM_IC_GET_INVOCATION_DATA(ic, uint32_t) = (uint32_t)raw_syscall3(186 /* gettid */, 0, 0, 0);
+  if (in_forked_child())
+    return;
+  BtThread *t = current_thread();
+  if (t != NULL && t->fork_entered)
+    t->fork_entered = 0;
+  else if (g_atomic_int_add(&STATE->fork_turns, 0) == BT_TURNS_AHEAD_ONLY)
+    enter_fork_untaken();
+  else
+    enter_fork();
   bt_before_fork();
 }
 
@@ -1211,8 +1251,11 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
 void bt_on_fork_done(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0)
     return;
-  give_fork_turn();
-  take_one(&STATE->forks_pending);
+  /* a fork() that took the turn counted itself pending (wait_for_thread_starts) */
+  if (g_atomic_int_add(&STATE->fork_turn, 0) == (int)raw_syscall3(186 /* gettid */, 0, 0, 0)) {
+    give_fork_turn();
+    take_one(&STATE->forks_pending);
+  }
   if (g_atomic_int_add(&STATE->forks_in_flight, 0) > 0)
     g_atomic_int_add(&STATE->forks_in_flight, -1);
 }

@@ -339,7 +339,9 @@ function forkCallSlots() {
 // mapped for good and calls through slots: at the end (unkeepForks), and in a child, the
 // mark's slot points at a `ret`, so nothing comes through it into this script's code once
 // it may be unloaded; in a program attached to, the GOT keeps pointing at it after the
-// detach.  Not in a forked child (PARAMS.forkStub): it goes on through its parent's copy.
+// detach.  Not in a forked child (PARAMS.forkStub): it goes on through its parent's copy,
+// whose `inner` the child's script leaves out as well and whose mark slot it points at
+// bt_fork_first (inheritedForkSlots, forkDoneLast).
 const forkSlots = new NativeFunction(libc('mmap'), 'pointer',
   ['pointer', 'size_t', 'int', 'int', 'int', 'int64'])(NULL, 2 * Process.pageSize,
   3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
@@ -397,12 +399,47 @@ function routeForksThroughStub() {
     writeSlot(slot, forkStub); // else its fork() calls take the hook's way
   }
 }
-// BtState.fork_mark_slot and fork_noop (NULL: no stub, every fork() takes the hook's way)
-state.add(8 + 8 * 4096 + 784).writePointer(forkStub === null ? NULL : forkSlots.add(MARK_SLOT));
-state.add(8 + 8 * 4096 + 792).writePointer(forkStubNoop);
-function unkeepForks() {
+// A forked child's copy of its parent's stub, which its fork() calls through the GOT go
+// through: the slots' page, found from a GOT slot of fork() (the page before the stub,
+// holding fork() and a mark that points into the stub: its `ret`, since the fork()), or
+// null.
+function inheritedForkSlots() {
   if (forkStub !== null) {
-    forkSlots.add(MARK_SLOT).writePointer(forkStubNoop);
+    return null;
+  }
+  for (const slot of forkCallSlots()) {
+    try {
+      const stub = slot.readPointer();
+      const slots = stub.sub(Process.pageSize);
+      const mark = slots.add(MARK_SLOT).readPointer();
+      if (stub.and(Process.pageSize - 1).isNull()
+          && slots.add(FORK_SLOT).readPointer().equals(libc('fork'))
+          && mark.compare(stub) >= 0 && mark.compare(stub.add(64)) < 0) {
+        return slots;
+      }
+    } catch (e) {
+      // not the stub: a slot in a module unmapped meanwhile, or one holding fork() itself
+    }
+  }
+  return null;
+}
+const parentsForkSlots = inheritedForkSlots();
+// the stub the program's fork() calls go through: this script's, or the parent's copy
+const stubInUse = forkStub !== null ? forkStub
+  : parentsForkSlots === null ? null : parentsForkSlots.add(Process.pageSize);
+if (parentsForkSlots !== null) { // its `inner`, as the parent's script left it out
+  Stalker.exclude({ base: stubInUse.add(64), size: Process.pageSize - 64 });
+}
+const markSlot = forkStub !== null ? forkSlots.add(MARK_SLOT)
+  : parentsForkSlots === null ? NULL : parentsForkSlots.add(MARK_SLOT);
+const markNoop = forkStub !== null ? forkStubNoop
+  : parentsForkSlots === null ? NULL : markSlot.readPointer();
+// BtState.fork_mark_slot and fork_noop (NULL: no stub, every fork() takes the hook's way)
+state.add(8 + 8 * 4096 + 784).writePointer(markSlot);
+state.add(8 + 8 * 4096 + 792).writePointer(markNoop);
+function unkeepForks() {
+  if (!markSlot.isNull()) {
+    markSlot.writePointer(markNoop);
   }
 }
 const pthreadCreate = new NativeFunction(libc('pthread_create'), 'int',
@@ -893,7 +930,12 @@ rpc.exports = {
     // the end (letGoOfAll)
     attach(libc('pthread_create'),
       { onEnter: cm.bt_on_pthread_create, onLeave: cm.bt_on_pthread_create_leave });
-    forkTurns(1);
+    // A forked child's script: its fork() listeners come after Frida's hook, so its turns
+    // are taken ahead of it, in its copy of the parent's fork stub (bt_fork_first)
+    forkTurns(PARAMS.forkStub ? 1 : 2 /* BT_TURNS_AHEAD_ONLY */);
+    if (parentsForkSlots !== null) {
+      markSlot.writePointer(cm.bt_fork_first);
+    }
   },
   // hold new fork()s (bt_hold_forks); how many are still under way
   holdForks(how) {
@@ -1031,7 +1073,7 @@ function letGoOfAll() {
 }
 function letGoOfThreads() {
   unkeepForks();
-  const hooks = [...hookedAt, cm.bt_fork_gate, ...(forkStub === null ? [] : [forkStub]),
+  const hooks = [...hookedAt, cm.bt_fork_gate, ...(stubInUse === null ? [] : [stubInUse]),
     ...fridaHooks()];
   for (const tid of threads.keys()) {
     Stalker.unfollow(tid);
