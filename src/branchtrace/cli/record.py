@@ -62,11 +62,11 @@ def _ending(what: str, exit_code: object, signum: object, detached: object) -> s
     return f"{what} ended"
 
 
-#: in the recorder a supervising `branchtrace record` runs: that process's pid
 #: the flags of a process's ending (meta.json's processes) that a warning of the recorder
 #: named already
 _NAMED_ALREADY = ("frozen", "stuck", "no_code_traced", "ended_unreported")
 
+#: in the recorder a supervising `branchtrace record` runs: that process's pid
 _SUPERVISOR = "BRANCHTRACE_SUPERVISOR"
 _PR_SET_PDEATHSIG = 1
 #: seconds a dying supervisor takes to be seen gone (_let_go_if_gone)
