@@ -2171,8 +2171,8 @@ class _ForkFollower:
             self.rec._error(_too_late_warning(parent, kids))
         for parent, ended in self._ended_unreported(set(processes), gating_ends).items():
             self.rec._error(_ended_unreported_warning(parent, ended))
-            for pid, status in ended:
-                code, signum = describe(status)
+            for pid, wait_status in ended:
+                code, signum = describe(wait_status)
                 # named in that warning: whether its own code or Frida's ran is not known
                 processes[pid] = {
                     "ppid": parent,
