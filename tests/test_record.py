@@ -1687,6 +1687,36 @@ def test_follow_fork_a_forked_childs_threads_forking_at_once_each_keep_their_chi
     assert sorted(meta["threads"][str(t)]["gaps"].get("fork", 0) for t in forkers) == [5] * 4
 
 
+def test_follow_fork_an_execed_programs_threads_forking_at_once_each_keep_their_child(
+    tmp_path, programs
+):
+    # An exec'ed image had child gating turned on before our agent loaded, so Frida's fork()
+    # hook came before our listener, and its threads' fork turns after Frida's preparation:
+    # `sh -c 'exec threadforks 4 10'` was killed (SIGABRT, SIGTRAP) or hung, 5 recordings of
+    # 5.  Gating goes on after our agent loads now, as for a spawned program (docs/fork.md
+    # section 20).
+    exe = programs["threadforks"]
+    res, trace = record_following_forks(tmp_path, Path("/bin/sh"), "-c", f"exec {exe} 4 5")
+    assert res.returncode == 0 and res.stdout == "5 5 5 5\n", res.stderr
+    meta = trace.meta()
+    image = parse_thread_label(f"{meta['pid']}#2")
+    assert meta["processes"][thread_label(image)]["executable"] == str(exe)
+    children = [key for key, e in meta["processes"].items() if "execd_by" not in e]
+    assert len(children) == 20, res.stderr
+    for key in children:
+        assert meta["processes"][key] == {"ppid": meta["pid"], "exit_code": 0, "signal": None}
+    counts = sorted(calls_to(trace, int(key), exe, "f") for key in children)
+    assert counts == [2] * 5 + [3] * 5 + [4] * 5 + [5] * 5
+    forkers = [
+        t
+        for t in trace.threads()
+        if meta["threads"][thread_label(t)]["pid"] == image and thread_id(t) != meta["pid"]
+    ]
+    assert (
+        sorted(meta["threads"][thread_label(t)]["gaps"].get("fork", 0) for t in forkers) == [5] * 4
+    )
+
+
 def test_follow_fork_threads_started_between_forks_leave_no_message_to_a_child(tmp_path, programs):
     # A new thread's ring was handed by a message from the recorder to Frida's agent, sent at
     # any time: one on its way as the program forked under child gating killed a child

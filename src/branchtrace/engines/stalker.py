@@ -1839,8 +1839,8 @@ class _ForkFollower:
             session = self.device.attach(pid)
             session.on("detached", lambda reason, crash: self._on_detached(key, reason))
             ring = self.rec.add_thread(pid, key)
-            self.watch(session, pid)
-            if image is None:
+            if image is None:  # it has its parent's Frida agent, whose fork() hook is in
+                self.watch(session, pid)
                 agent = self.rec.load_agent(
                     session, pid, False, None, park=False, forked_from=self.parents[key], key=key
                 )
@@ -1855,6 +1855,9 @@ class _ForkFollower:
                     before=before,
                     key=key,
                 )
+                # only now, as for a spawned program: Frida's fork() hook comes after our
+                # listener, which takes the fork turn ahead of it (docs/fork.md section 20)
+                self.watch(session, pid)
             self._agents[session] = agent
             if image is None:
                 _bounded(agent.script.exports_sync.follow_all, {str(pid): str(ring)}, False)
