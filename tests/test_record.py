@@ -1662,28 +1662,38 @@ def test_follow_fork_threads_forking_at_the_same_moment_each_keep_their_child(tm
     assert sorted(meta["threads"][str(t)]["gaps"].get("fork", 0) for t in forkers) == [5] * 4
 
 
+@pytest.mark.parametrize("generations", [1, 2])
 def test_follow_fork_a_forked_childs_threads_forking_at_once_each_keep_their_child(
-    tmp_path, programs
+    tmp_path, programs, generations
 ):
     # In a forked child our script is loaded after Frida's fork() hook is in, so its fork()
     # listener ran after Frida's preparation, and the child's threads took no turns: four of
     # them forking at once killed the child (SIGABRT on "Invalid ID" from Frida, SIGTRAP) or
     # hung the recording, 4 recordings of 4.  Their turns are now taken in the child's copy
-    # of the fork stub, ahead of Frida's hook (bt_fork_first; docs/fork.md section 20).
+    # of the fork stub, ahead of Frida's hook (bt_fork_first; docs/fork.md section 20).  A
+    # grandchild's threads did the same still (3 of 3), until its parent's script stopped
+    # taking the stub's mark back from it after Frida had handed it over.
     exe = programs["childthreadforks"]
-    res, trace = record_following_forks(tmp_path, exe, "4", "5")
+    res, trace = record_following_forks(tmp_path, exe, "4", "5", str(generations))
     assert res.returncode == 0 and res.stdout == "5 5 5 5\n", res.stderr
     meta = trace.meta()
-    (child,) = [int(key) for key, e in meta["processes"].items() if e["ppid"] == meta["pid"]]
-    assert meta["processes"][str(child)] == {"ppid": meta["pid"], "exit_code": 0, "signal": None}
-    grandchildren = [int(key) for key, e in meta["processes"].items() if e["ppid"] == child]
-    assert len(grandchildren) == 20 and len(meta["processes"]) == 21, res.stderr
+    processes = {int(key): e for key, e in meta["processes"].items()}
+    parent = meta["pid"]
+    for _ in range(generations):
+        (child,) = [key for key, e in processes.items() if e["ppid"] == parent]
+        assert processes[child] == {"ppid": parent, "exit_code": 0, "signal": None}
+        parent = child
+    forker = parent  # the last generation, whose threads fork
+    grandchildren = [key for key, e in processes.items() if e["ppid"] == forker]
+    assert len(grandchildren) == 20 and len(processes) == 20 + generations, res.stderr
     for key in grandchildren:
-        assert meta["processes"][str(key)] == {"ppid": child, "exit_code": 0, "signal": None}
+        assert processes[key] == {"ppid": forker, "exit_code": 0, "signal": None}
     # thread i's children call f i + 2 times: 5 children of each thread
     counts = sorted(calls_to(trace, key, exe, "f") for key in grandchildren)
     assert counts == [2] * 5 + [3] * 5 + [4] * 5 + [5] * 5
-    forkers = [t for t in trace.threads() if meta["threads"][str(t)]["pid"] == child and t != child]
+    forkers = [
+        t for t in trace.threads() if meta["threads"][str(t)]["pid"] == forker and t != forker
+    ]
     assert sorted(meta["threads"][str(t)]["gaps"].get("fork", 0) for t in forkers) == [5] * 4
 
 

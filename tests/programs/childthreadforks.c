@@ -1,9 +1,10 @@
-/* A forked child whose threads fork at the same moment: the program forks a child, in
-   which THREADS (argv[1], 4) threads meet, wait 200 ms (no fork() meets a thread starting),
-   then ROUNDS (argv[2], 5) times meet at a barrier and each fork a child that calls f
-   exactly i + 2 times (i: the thread's index) and exits 0, and waits for it.  The child
-   prints, for each thread, how many of its children exited 0, and exits 0 if all did; the
-   program waits for it and exits with its status. */
+/* A forked child whose threads fork at the same moment: the program forks a child, which
+   (GENERATIONS, argv[3], 1, above 1) forks the next generation, and so on.  In the last
+   generation THREADS (argv[1], 4) threads meet, wait 200 ms (no fork() meets a thread
+   starting), then ROUNDS (argv[2], 5) times meet at a barrier and each fork a child that
+   calls f exactly i + 2 times (i: the thread's index) and exits 0, and waits for it.  That
+   generation prints, for each thread, how many of its children exited 0, and exits 0 if
+   all did; each parent waits for its child and exits with its status. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,14 +53,20 @@ static int forking_child(int threads) {
   return all ? 0 : 1;
 }
 
-int main(int argc, char **argv) {
-  int threads = argc > 1 ? atoi(argv[1]) : 4;
-  if (argc > 2) rounds = atoi(argv[2]);
-  if (threads < 1 || threads > 64) return 2;
+static int parent_of(int generations, int threads) {
   pid_t child = fork();
-  if (child == 0) _exit(forking_child(threads));
+  if (child == 0)
+    _exit(generations > 1 ? parent_of(generations - 1, threads) : forking_child(threads));
   int status;
   if (waitpid(child, &status, 0) != child) return 3;
   if (!WIFEXITED(status)) fprintf(stderr, "child %d status %#x\n", child, status);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 4;
+}
+
+int main(int argc, char **argv) {
+  int threads = argc > 1 ? atoi(argv[1]) : 4;
+  if (argc > 2) rounds = atoi(argv[2]);
+  int generations = argc > 3 ? atoi(argv[3]) : 1;
+  if (threads < 1 || threads > 64 || generations < 1) return 2;
+  return parent_of(generations, threads);
 }

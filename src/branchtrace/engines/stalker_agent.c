@@ -1159,6 +1159,8 @@ static void enter_fork(void) {
    forkDoneLast in stalker_agent.js).  Its other fork()s (through a pointer) take no turn
    (BT_TURNS_AHEAD_ONLY): one taken after Frida's preparation could wait for a fork() that
    waits in Frida's preparation for this one. */
+void bt_fork_mark(void);
+
 void bt_fork_first(void) {
   BtThread *t = current_thread();
   if (t == NULL || in_forked_child())
@@ -1221,9 +1223,13 @@ static void unfollow_inherited_contexts(uint32_t forking_thread) {
 void bt_on_fork_leave(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0) {
     /* the child's fork() calls go on through its copy of the fork stub, which must not call
-       into this module: Frida may unload the child's copy of it */
-    if (STATE->fork_mark_slot != NULL)
-      *STATE->fork_mark_slot = STATE->fork_noop;
+       into this module: Frida may unload the child's copy of it.  Only if the mark is still
+       ours: in a forked child's script this listener comes after Frida's, which holds the
+       new child while the host loads its own script, which points the mark at its own
+       bt_fork_first (docs/fork.md section 20) */
+    uint64_t *mark = STATE->fork_mark_slot;
+    if (mark != NULL && (*mark == (uint64_t)bt_fork_mark || *mark == (uint64_t)bt_fork_first))
+      *mark = STATE->fork_noop;
     for (int i = 0; i < STATE->nthreads; i++)
       if (STATE->threads[i] != NULL)
         bt_thread_forget(STATE->threads[i]);

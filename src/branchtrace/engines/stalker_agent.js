@@ -349,6 +349,9 @@ const forkStub = forkSlots.equals(ptr(-1)) || !PARAMS.forkStub ? null
   : forkSlots.add(Process.pageSize);
 const MARK_SLOT = 0;
 const FORK_SLOT = 8;
+const NOOP_SLOT = 16; // the stub's `ret`, for a forked child's script (inheritedForkSlots)
+const MAGIC_SLOT = 24; // this page is the slots of a stub of ours
+const STUB_MAGIC = uint64('0x6275747326666f72');
 let forkStubNoop = NULL;
 if (forkStub !== null) {
   forkSlots.add(MARK_SLOT).writePointer(cm.bt_fork_mark);
@@ -367,6 +370,8 @@ if (forkStub !== null) {
   w.putAddRegImm('rsp', 8);
   w.putRet();
   forkStubNoop = forkStub.add(w.offset);
+  forkSlots.add(NOOP_SLOT).writePointer(forkStubNoop);
+  forkSlots.add(MAGIC_SLOT).writeU64(STUB_MAGIC);
   w.putRet();
   w.flush();
   w.reset(inner);
@@ -400,9 +405,10 @@ function routeForksThroughStub() {
   }
 }
 // A forked child's copy of its parent's stub, which its fork() calls through the GOT go
-// through: the slots' page, found from a GOT slot of fork() (the page before the stub,
-// holding fork() and a mark that points into the stub: its `ret`, since the fork()), or
-// null.
+// through: the slots' page (the page before the stub, marked as ours), found from a GOT slot
+// of fork(), or null.  Its mark may still be the parent's bt_fork_first as this script
+// loads: a parent that is a forked child itself puts the `ret` back in its leave listener,
+// which runs after Frida's, which holds the child for this script (bt_on_fork_leave).
 function inheritedForkSlots() {
   if (forkStub !== null) {
     return null;
@@ -411,10 +417,9 @@ function inheritedForkSlots() {
     try {
       const stub = slot.readPointer();
       const slots = stub.sub(Process.pageSize);
-      const mark = slots.add(MARK_SLOT).readPointer();
       if (stub.and(Process.pageSize - 1).isNull()
-          && slots.add(FORK_SLOT).readPointer().equals(libc('fork'))
-          && mark.compare(stub) >= 0 && mark.compare(stub.add(64)) < 0) {
+          && slots.add(MAGIC_SLOT).readU64().equals(STUB_MAGIC)
+          && slots.add(FORK_SLOT).readPointer().equals(libc('fork'))) {
         return slots;
       }
     } catch (e) {
@@ -433,7 +438,7 @@ if (parentsForkSlots !== null) { // its `inner`, as the parent's script left it 
 const markSlot = forkStub !== null ? forkSlots.add(MARK_SLOT)
   : parentsForkSlots === null ? NULL : parentsForkSlots.add(MARK_SLOT);
 const markNoop = forkStub !== null ? forkStubNoop
-  : parentsForkSlots === null ? NULL : markSlot.readPointer();
+  : parentsForkSlots === null ? NULL : parentsForkSlots.add(NOOP_SLOT).readPointer();
 // BtState.fork_mark_slot and fork_noop (NULL: no stub, every fork() takes the hook's way)
 state.add(8 + 8 * 4096 + 784).writePointer(markSlot);
 state.add(8 + 8 * 4096 + 792).writePointer(markNoop);
