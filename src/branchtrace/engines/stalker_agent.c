@@ -1151,6 +1151,8 @@ static void enter_fork(void) {
     wait_for_thread_starts();
 }
 
+void bt_fork_mark(void);
+
 /* In a forked child this script was loaded after Frida's fork() hook was in, so its entry
    listener runs after Frida's preparation for the fork(), too late for the turn: two of the
    child's threads forking at once died in Frida's code as the parent's did (docs/fork.md
@@ -1159,8 +1161,6 @@ static void enter_fork(void) {
    forkDoneLast in stalker_agent.js).  Its other fork()s (through a pointer) take no turn
    (BT_TURNS_AHEAD_ONLY): one taken after Frida's preparation could wait for a fork() that
    waits in Frida's preparation for this one. */
-void bt_fork_mark(void);
-
 void bt_fork_first(void) {
   BtThread *t = current_thread();
   if (t == NULL || in_forked_child())
