@@ -1673,8 +1673,8 @@ def test_follow_fork_a_forked_childs_threads_forking_at_once_each_keep_their_chi
     # of the fork stub, ahead of Frida's hook (bt_fork_first; docs/fork.md section 20).  A
     # grandchild's threads did the same still (3 of 3), until its parent's script stopped
     # taking the stub's mark back from it after Frida had handed it over.
-    exe = programs["childthreadforks"]
-    res, trace = record_following_forks(tmp_path, exe, "4", "5", str(generations))
+    exe = programs["threadforks"]
+    res, trace = record_following_forks(tmp_path, exe, "4", "5", "-", str(generations))
     assert res.returncode == 0 and res.stdout == "5 5 5 5\n", res.stderr
     meta = trace.meta()
     processes = {int(key): e for key, e in meta["processes"].items()}

@@ -5,7 +5,9 @@
    that no fork() meets a thread starting (docs/fork.md section 15: that is a hazard of its
    own under --follow-fork).  With argv[3], the threads are started first, main prints
    "ready PID", and they fork only once that file exists (a recorder attaches meanwhile),
-   each round followed by 1 ms of sleep. */
+   each round followed by 1 ms of sleep ("-": none).  With GENERATIONS (argv[4], 0), the
+   program first forks a child, which forks the next generation, and so on: the last one
+   does all this, and each parent waits for its child and exits with its status. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,11 +51,26 @@ static void *forker(void *arg) {
   return NULL;
 }
 
+/* Returns in the last of `generations` forked generations; exits in the others. */
+static void fork_generations(int generations) {
+  for (; generations > 0; generations--) {
+    pid_t child = fork();
+    if (child == 0)
+      continue;
+    int status;
+    if (waitpid(child, &status, 0) != child) exit(3);
+    if (!WIFEXITED(status)) fprintf(stderr, "child %d status %#x\n", child, status);
+    exit(WIFEXITED(status) ? WEXITSTATUS(status) : 4);
+  }
+}
+
 int main(int argc, char **argv) {
   int threads = argc > 1 ? atoi(argv[1]) : 4;
   if (argc > 2) rounds = atoi(argv[2]);
-  if (argc > 3) go = argv[3];
-  if (threads < 1 || threads > 64) return 2;
+  if (argc > 3 && argv[3][0] != '-') go = argv[3];
+  int generations = argc > 4 ? atoi(argv[4]) : 0;
+  if (threads < 1 || threads > 64 || generations < 0) return 2;
+  fork_generations(generations);
   pthread_barrier_init(&together, NULL, threads);
   pthread_t t[64];
   for (long i = 0; i < threads; i++) pthread_create(&t[i], NULL, forker, (void *)i);
