@@ -1727,6 +1727,23 @@ def test_follow_fork_an_execed_programs_threads_forking_at_once_each_keep_their_
     )
 
 
+def test_follow_fork_children_forked_while_another_thread_runs_new_code_are_traced(
+    tmp_path, programs
+):
+    # A thread that runs code it has just written (as a JIT does) has Stalker compile without
+    # pause, and each block in no module was asked of the script (JavaScript, under its lock)
+    # with no fork turn held: a fork() meanwhile left its child the script's lock held by a
+    # thread the child does not have, and Frida's recovery waited on it for good.  The
+    # children were killed as stuck: 7 to 9 of 30 ran, 3 recordings of 3.  The question now
+    # waits for the fork turn (enter_script in stalker_agent.c; docs/fork.md section 21).
+    exe = programs["jitfork"]
+    res, trace = record_following_forks(tmp_path, exe, "10")
+    assert res.returncode == 0 and res.stdout.startswith("10 of 10 children ok"), res.stderr
+    meta = trace.meta()
+    assert_children_exited_0(meta, 10, res.stderr)
+    assert [calls_to(trace, int(pid), exe, "f") for pid in meta["processes"]] == [3] * 10
+
+
 def test_follow_fork_threads_started_between_forks_leave_no_message_to_a_child(tmp_path, programs):
     # A new thread's ring was handed by a message from the recorder to Frida's agent, sent at
     # any time: one on its way as the program forked under child gating killed a child

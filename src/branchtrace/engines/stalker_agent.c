@@ -257,9 +257,33 @@ static const BtCodeRange *code_range(uint64_t address) {
   return NULL;
 }
 
+int bt_thread_turn(uint64_t routine);
+static void give_fork_turn(void);
+
+/* A thread of the program runs this script's JavaScript only with its fork turn, taken
+   before it waits for the script's lock: a fork() meanwhile left its child that lock (a
+   recursive mutex) held by a thread the child does not have, and Frida's recovery in the
+   child waited on it for good (docs/fork.md sections 18 and 21).  Each new thread asked
+   the script about some 30 blocks as Stalker compiled them (the hooked functions' first
+   instructions, which run relocated in Frida's memory), right after its onAdded had given
+   its turn back.  Returns whether the turn is to be given back (leave_script). */
+static int enter_script(void) {
+  return bt_thread_turn(0) == 1;
+}
+
+static void leave_script(int turn) {
+  if (turn)
+    give_fork_turn();
+}
+
 static int is_frida_code(uint64_t address) {
   const BtCodeRange *range = code_range(address);
-  return range != NULL ? (int)range->fridas : bt_is_frida_code(address);
+  if (range != NULL)
+    return (int)range->fridas;
+  int turn = enter_script();
+  int fridas = bt_is_frida_code(address);
+  leave_script(turn);
+  return fridas;
 }
 
 static int in_forked_child(void) {
@@ -1683,7 +1707,9 @@ static void note_handler(void *handler) {
   uint64_t restorer = bt_fault_restorer();
   int seen = read_safely(handler, was, 5);
   int restorer_seen = restorer != 0 && read_safely((const void *)restorer, restorer_was, 5);
+  int turn = enter_script();
   int hooked = bt_new_handler(handler); /* 1: the handler's entry, 2: the restorer */
+  leave_script(turn);
   if ((hooked & 1) && seen)
     await_hook((uint64_t)handler, was, "handler");
   if ((hooked & 2) && restorer_seen)
@@ -1791,7 +1817,9 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
       *rip == t->handler_pc[depth - 1] || t->closed || is_frida_code(*rip))
     return;
   if (t->refollow == NULL) {
+    int turn = enter_script();
     t->refollow = bt_new_refollow();
+    leave_script(turn);
     static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
     if (t->refollow != NULL)
       await_hook((uint64_t)t->refollow, nops, "refollow"); /* it is run at once */

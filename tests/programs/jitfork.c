@@ -1,0 +1,65 @@
+/* One thread runs code it has just written, a new function each time, without pause (as a
+   JIT does), so that under Stalker it is compiling new code nearly all the time, inside
+   Frida's heap; meanwhile main forks ROUNDS times (argv[1], default 30), each child calling
+   f() 3 times and exiting 0.  Prints "N of ROUNDS children ok, M functions run". */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CODE_SIZE (64 << 20)
+#define FUNCTION_SIZE 16
+
+volatile long sink;
+__attribute__((noinline)) void f(long i) { sink += i; }
+static int done;
+static long functions_run;
+
+static void *jit(void *arg) {
+  unsigned char *code = arg;
+  for (long at = 0; at + FUNCTION_SIZE <= CODE_SIZE && !__atomic_load_n(&done, __ATOMIC_SEQ_CST);
+       at += FUNCTION_SIZE) {
+    unsigned char *fn = code + at;
+    int value = (int)(at / FUNCTION_SIZE);
+    fn[0] = 0xb8; /* mov eax, value */
+    memcpy(fn + 1, &value, 4);
+    fn[5] = 0xc3; /* ret */
+    if (((int (*)(void))fn)() != value)
+      abort();
+    functions_run++;
+  }
+  return NULL;
+}
+
+int main(int argc, char **argv) {
+  int rounds = argc > 1 ? atoi(argv[1]) : 30, ok = 0;
+  unsigned char *code = mmap(NULL, CODE_SIZE, PROT_READ | PROT_WRITE | PROT_EXEC,
+                             MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (code == MAP_FAILED)
+    return 2;
+  pthread_t t;
+  pthread_create(&t, NULL, jit, code);
+  for (int r = 0; r < rounds; r++) {
+    struct timespec pause = {0, 2000000};
+    nanosleep(&pause, NULL);
+    pid_t child = fork();
+    if (child == 0) {
+      for (long i = 0; i < 3; i++)
+        f(i);
+      _exit(0);
+    }
+    int status = -1;
+    if (child > 0 && waitpid(child, &status, 0) == child && status == 0)
+      ok++;
+    else
+      fprintf(stderr, "round %d: child %d status %#x\n", r, child, status);
+  }
+  __atomic_store_n(&done, 1, __ATOMIC_SEQ_CST);
+  pthread_join(t, NULL);
+  printf("%d of %d children ok, %ld functions run\n", ok, rounds, functions_run);
+  return ok == rounds ? 0 : 1;
+}
