@@ -1,6 +1,7 @@
 /* One thread runs code it has just written, a new function each time, without pause (as a
-   JIT does), so that under Stalker it is compiling new code nearly all the time, inside
-   Frida's heap; meanwhile main forks ROUNDS times (argv[1], default 30), each child calling
+   JIT does), so that under Stalker it is compiling code in no module nearly all the time
+   (the recorder's agent asks its script about each such block: docs/fork.md section 21);
+   meanwhile main forks ROUNDS times (argv[1], default 30), 2 ms apart, each child calling
    f() 3 times and exiting 0.  Prints "N of ROUNDS children ok, M functions run". */
 #include <pthread.h>
 #include <stdio.h>
