@@ -1542,6 +1542,38 @@ def test_a_hook_frida_wrote_too_late_is_warned_of_by_what_it_cost(tmp_path):
     rec.finish()
 
 
+@pytest.mark.parametrize("found", [True, False])
+def test_frida_heap_locks_not_found_are_warned_of_under_follow_fork(tmp_path, found):
+    # the main process's agent says whether it found Frida's heap locks (stalker_agent.js,
+    # heapLocksFound); a child's note does not count
+    from branchtrace.engines.base import RecordOptions
+    from branchtrace.engines.stalker import _NOTES_FILE, _Recording
+
+    options = RecordOptions(
+        output=tmp_path / "d", mode=Mode.WRAP, buffer_size=1 << 20, follow_fork=True
+    )
+    rec = _Recording(TraceDir.create(options.output), options)
+    rec.main_key = 700
+    (rec.tracedir.path / f"{_NOTES_FILE}700").write_text(
+        f'{{"type": "fork-heap-locks", "found": {str(found).lower()}}}\n'
+    )
+    (rec.tracedir.path / f"{_NOTES_FILE}701").write_text(
+        '{"type": "fork-heap-locks", "found": true}\n'
+    )
+    rec.read_notes()
+    assert rec.fork_heap_locks is found
+    assert rec.errors == (
+        []
+        if found
+        else [
+            "Frida's heap locks were not found (this Frida's layout is not the one "
+            "branchtrace knows): a child forked while another thread is inside Frida's "
+            "heap can be stuck in Frida's recovery (docs/fork.md section 21)"
+        ]
+    )
+    rec.finish()
+
+
 def test_rings_handed_ahead_are_the_threads_that_take_them_and_the_rest_go(tmp_path):
     from branchtrace.engines.base import RecordOptions
     from branchtrace.engines.stalker import SPARES_PER_AGENT, _Recording
@@ -1736,10 +1768,13 @@ def test_follow_fork_children_forked_while_another_thread_runs_new_code_are_trac
     # thread the child does not have, and Frida's recovery waited on it for good.  The
     # children were killed as stuck: 7 to 9 of 30 ran, 3 recordings of 3.  The question now
     # waits for the fork turn (enter_script in stalker_agent.c; docs/fork.md section 21).
+    # The JIT thread is also inside Frida's heap most of the time, whose locks each fork()
+    # takes last (bt_on_fork_syscall): found in this Frida's agent, or the recorder says not.
     exe = programs["jitfork"]
     res, trace = record_following_forks(tmp_path, exe, "10")
     assert res.returncode == 0 and res.stdout.startswith("10 of 10 children ok"), res.stderr
     meta = trace.meta()
+    assert meta["fork_heap_locks"] is True, res.stderr
     assert_children_exited_0(meta, 10, res.stderr)
     assert [calls_to(trace, int(pid), exe, "f") for pid in meta["processes"]] == [3] * 10
 

@@ -872,6 +872,9 @@ class _Recording:
         #: (stalker_agent.js)
         self.init: int | None = None
         self.traced_from: str | None = None
+        #: whether the main process's agent found Frida's heap locks, which its fork()s take
+        #: (bt_on_fork_syscall in stalker_agent.c), or None if it did not say
+        self.fork_heap_locks: bool | None = None
         self.main_key: int | None = None  #: the spawned program's process
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
@@ -1371,6 +1374,8 @@ class _Recording:
                     self.inline_cache = int(event["entries"])
                 elif event.get("type") == "traced-from" and pid == self.main_key:
                     self.traced_from = str(event["at"])
+                elif event.get("type") == "fork-heap-locks" and pid == self.main_key:
+                    self.fork_heap_locks = bool(event["found"])
                 elif event.get("type") == "late-hook":
                     self._error(_LATE_HOOK[str(event["what"])].format(tid=event["tid"], pid=pid))
                 elif event.get("type") == "thread-untraced" and event.get("inFork"):
@@ -1387,6 +1392,12 @@ class _Recording:
                         {"pid": pid, "tid": int(event["tid"]), "start": event["routine"]}
                     )
             path.unlink()
+        if self.options.follow_fork and self.fork_heap_locks is False:
+            self._error(
+                "Frida's heap locks were not found (this Frida's layout is not the one "
+                "branchtrace knows): a child forked while another thread is inside Frida's "
+                "heap can be stuck in Frida's recovery (docs/fork.md section 21)"
+            )
         if self.inline_cache is not None and self.inline_cache != INLINE_CACHE:
             self._error(
                 "Stalker's inline cache stays at its default of 2 targets per indirect "
@@ -2360,6 +2371,7 @@ class StalkerEngine:
         finish_meta(meta, result, rec.untraced_threads)
         meta["inline_cache"] = rec.inline_cache
         meta["traced_from"] = rec.traced_from
+        meta["fork_heap_locks"] = rec.fork_heap_locks
         tracedir.write_meta(meta)
         return result
 

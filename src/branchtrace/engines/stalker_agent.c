@@ -119,6 +119,7 @@ typedef struct {
   int fork_kept;         /* in a fork() called through the fork stub (bt_fork_mark) */
   int ending_turn;       /* holds the fork turn from its call of __call_tls_dtors */
   int fork_entered;      /* on its way into a fork(), entered ahead of the hook (bt_fork_first) */
+  int fork_native;       /* came through the fork stub: runs fork() natively (bt_on_fork_syscall) */
 } BtThread;
 
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
@@ -217,6 +218,9 @@ typedef struct {
   int forks_pending;     /* fork()s that new threads wait for (wait_for_thread_starts) */
   int starts_in_fork;    /* threads started by a fork()'s own thread inside it, not yet up */
   uint64_t tls_dtors;    /* __call_tls_dtors, or 0 */
+  int *heap_locks[2];    /* Frida's heap's spin locks, or NULL (bt_find_heap_locks) */
+  volatile int heap_locked_by; /* the thread holding them across a fork(), or 0 */
+  int heap_pad;
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1190,6 +1194,7 @@ void bt_fork_first(void) {
   if (t == NULL || in_forked_child())
     return; /* the entry listener takes the turn */
   t->fork_kept = 1; /* as bt_fork_mark: the script left the stub's `inner` out too */
+  t->fork_native = 1;
   if (!g_atomic_int_add(&STATE->fork_turns, 0))
     return;
   enter_fork();
@@ -1262,8 +1267,12 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
     unfollow_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
     return;
   }
-  if (!in_forked_child())
+  if (!in_forked_child()) {
+    BtThread *t = current_thread();
+    if (t != NULL)
+      t->fork_native = 0; /* should _Fork() not have been reached */
     bt_after_fork();
+  }
 }
 
 /* The end of a fork() for the host's count (forks_in_flight), in a listener of its own
@@ -1382,7 +1391,101 @@ void bt_fork_mark(void) {
     return;
   BtThread *t = current_thread();
   if (t != NULL)
-    t->fork_kept = 1;
+    t->fork_kept = t->fork_native = 1;
+}
+
+/* Frida's heap (dlmalloc, two mspaces, each behind a spin lock) is not taken care of across
+   a fork(): a child forked while another thread of its parent was inside it -- Stalker
+   compiling that thread's code, a listener -- inherited the lock held by a thread it does
+   not have, and Frida's recovery in the child, its only thread, spun on it for good
+   (docs/fork.md section 21).  So a fork() takes both locks right before its system call, as
+   glibc does with its own malloc's, and lets go of them in the parent and in the child
+   right after.  Last, in _Fork(), after glibc's own locks: a thread that holds one of
+   glibc's while Stalker compiles its code waits there for Frida's heap, never the other way
+   round (whoever holds Frida's heap lock is inside dlmalloc, which takes none of glibc's or
+   the program's).  Only a fork() that runs natively (through the fork stub): a thread still
+   in Stalker would compile the rest of fork() with the lock held by itself. */
+/* Frida's heap is dlmalloc with two mspaces, whose pointers are among the agent's static
+   data, as its malloc_params are: found by their values (the magic word, a 4 KiB page, a
+   64 KiB granularity, a 256 KiB mmap threshold, a 2 MiB trim threshold, default flags 7),
+   then each mspace (16 bytes into a page: the first chunk of its first mapping) by that
+   magic word at +64 and its flags (locks, mmap, non-contiguous: 7) at +880; its spin lock
+   is the int after them.  `words`: the agent's .data and .bss, `size` bytes.  None is taken unless
+   exactly two read back so.  Returns how many were found. */
+int bt_find_heap_locks(const uint64_t *words, uint64_t size) {
+  uint64_t n_words = size / 8, magic = 0;
+  for (uint64_t i = 0; i + 5 < n_words && magic == 0; i++)
+    if (words[i + 1] == 4096 && words[i + 2] == 65536 && words[i + 3] == 262144
+        && words[i + 4] == 2097152 && words[i + 5] == 7 && (words[i] & 15) == 8)
+      magic = words[i];
+  if (magic == 0)
+    return 0;
+  int *found[3];
+  int n = 0;
+  for (uint64_t i = 0; i < n_words && n < 3; i++) {
+    uint64_t m = words[i], m_magic = 0;
+    uint32_t flags_and_lock[2];
+    if ((m & 0xfff) != 0x10 || m < 0x10000 || m >= 0x800000000000ULL
+        || !read_safely((void *)(m + 64), &m_magic, 8) || m_magic != magic
+        || !read_safely((void *)(m + 880), flags_and_lock, 8) || flags_and_lock[0] != 7
+        || flags_and_lock[1] > 1)
+      continue;
+    int *lock = (int *)(m + 884), seen = 0;
+    for (int j = 0; j < n; j++)
+      seen |= found[j] == lock;
+    if (!seen)
+      found[n++] = lock;
+  }
+  if (n != 2)
+    return 0;
+  STATE->heap_locks[0] = found[0];
+  STATE->heap_locks[1] = found[1];
+  return 2;
+}
+
+static void release_heap_locks(int n) {
+  while (n-- > 0)
+    swap_int(STATE->heap_locks[n], 1, 0);
+}
+
+/* 2 s at most on a lock, should one never be let go of (a thread of the parent that was
+   stopped for good inside dlmalloc): the fork() then goes on as it did before. */
+static int take_heap_lock(int *lock) {
+  for (long spins = 0; swap_int(lock, 0, 1) != 0; spins++) {
+    if (spins > 2000000)
+      return 0;
+    if ((spins & 63) == 63)
+      raw_syscall3(24 /* sched_yield */, 0, 0, 0);
+  }
+  return 1;
+}
+
+void bt_on_fork_syscall(GumInvocationContext *ic) {
+  (void)ic;
+  BtThread *t = current_thread();
+  if (t == NULL || !t->fork_native || STATE->heap_locks[0] == NULL)
+    return;
+  t->fork_native = 0;
+  int n = 0;
+  while (n < 2 && STATE->heap_locks[n] != NULL && take_heap_lock(STATE->heap_locks[n]))
+    n++;
+  if (n < 2 && STATE->heap_locks[n] != NULL) {
+    release_heap_locks(n);
+    return;
+  }
+  STATE->heap_locked_by = (int)raw_syscall3(186 /* gettid */, 0, 0, 0);
+}
+
+/* In the child, whichever thread of the parent took them: the child has no other thread
+   that could be inside dlmalloc. */
+void bt_on_fork_syscall_leave(GumInvocationContext *ic) {
+  if (STATE->heap_locked_by == 0)
+    return;
+  if ((gssize)gum_invocation_context_get_return_value(ic) == 0
+      || STATE->heap_locked_by == (int)raw_syscall3(186 /* gettid */, 0, 0, 0)) {
+    STATE->heap_locked_by = 0;
+    release_heap_locks(STATE->heap_locks[1] != NULL ? 2 : 1);
+  }
 }
 
 /* Whether the thread came through the fork stub, for the fork() hook, once. */

@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 824); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 848); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -38,6 +38,9 @@ spared.forEach(([fd, isEventfd, id], i) => {
 const CODE_MAP = PARKED + 288; // BtState.code_map
 state.add(CODE_MAP).writePointer(NULL);
 state.add(CODE_MAP + 8).writePointer(NULL); // BtState.stalker: not checked yet
+state.add(8 + 8 * 4096 + 824).writePointer(NULL); // BtState.heap_locks: not found yet
+state.add(8 + 8 * 4096 + 832).writePointer(NULL);
+state.add(8 + 8 * 4096 + 840).writeU64(0); // nobody holds them (heap_locked_by)
 
 // Frida's agent: the mappings /proc/self/maps names so (Frida hides it from Process'
 // modules), merged where they touch.
@@ -736,6 +739,45 @@ new NativeFunction(cm.bt_note_set_handlers, 'void', [])();
 attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
 let forkDone = attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
 routeForksThroughStub();
+
+// Frida's heap locks, which a fork() through the stub takes last, in _Fork() (glibc 2.34 and
+// later), and lets go of on both sides (bt_on_fork_syscall in stalker_agent.c), found among
+// the agent's static data: the unnamed read-write mappings right after its file's.
+function agentData() {
+  let maps = [];
+  try {
+    maps = File.readAllText('/proc/self/maps').split('\n');
+  } catch (e) {
+    return [];
+  }
+  const data = [];
+  let agentEnd = null;
+  for (const line of maps) {
+    const fields = line.trim().split(/\s+/);
+    if (fields.length < 5) {
+      continue;
+    }
+    const [start, end] = fields[0].split('-').map((x) => ptr('0x' + x));
+    if (line.includes('frida-agent')) {
+      agentEnd = end;
+    } else if (agentEnd !== null && start.equals(agentEnd) && fields[1].startsWith('rw')
+               && fields.length === 5) {
+      data.push([start, end]);
+      agentEnd = end;
+    } else {
+      agentEnd = null;
+    }
+  }
+  return data;
+}
+const forkSyscall = Module.findGlobalExportByName('_Fork');
+const findHeapLocks = new NativeFunction(cm.bt_find_heap_locks, 'int', ['pointer', 'uint64']);
+const heapLocksFound = forkSyscall !== null
+  && agentData().some(([start, end]) => findHeapLocks(start, uint64(end.sub(start).toString())) === 2);
+if (heapLocksFound) {
+  attach(forkSyscall, { onEnter: cm.bt_on_fork_syscall, onLeave: cm.bt_on_fork_syscall_leave });
+}
+note({ type: 'fork-heap-locks', found: heapLocksFound });
 
 // A spawned program is traced from the first of these its main thread runs: the
 // executable's _init, where Frida holds it (libc calls _init right before the executable's
