@@ -1544,8 +1544,8 @@ def test_a_hook_frida_wrote_too_late_is_warned_of_by_what_it_cost(tmp_path):
 
 @pytest.mark.parametrize("found", [True, False])
 def test_frida_heap_locks_not_found_are_warned_of_under_follow_fork(tmp_path, found):
-    # the main process's agent says whether it found Frida's heap locks (stalker_agent.js,
-    # heapLocksFound); a child's note does not count
+    # each agent says whether it found Frida's heap locks (stalker_agent.js, heapLocksFound),
+    # the recording whether all did
     from branchtrace.engines.base import RecordOptions
     from branchtrace.engines.stalker import _NOTES_FILE, _Recording
 
@@ -1553,11 +1553,13 @@ def test_frida_heap_locks_not_found_are_warned_of_under_follow_fork(tmp_path, fo
         output=tmp_path / "d", mode=Mode.WRAP, buffer_size=1 << 20, follow_fork=True
     )
     rec = _Recording(TraceDir.create(options.output), options)
-    rec.main_key = 700
     (rec.tracedir.path / f"{_NOTES_FILE}700").write_text(
-        f'{{"type": "fork-heap-locks", "found": {str(found).lower()}}}\n'
+        '{"type": "fork-heap-locks", "found": true}\n'
     )
     (rec.tracedir.path / f"{_NOTES_FILE}701").write_text(
+        f'{{"type": "fork-heap-locks", "found": {str(found).lower()}}}\n'
+    )
+    (rec.tracedir.path / f"{_NOTES_FILE}702").write_text(
         '{"type": "fork-heap-locks", "found": true}\n'
     )
     rec.read_notes()

@@ -872,8 +872,8 @@ class _Recording:
         #: (stalker_agent.js)
         self.init: int | None = None
         self.traced_from: str | None = None
-        #: whether the main process's agent found Frida's heap locks, which its fork()s take
-        #: (bt_on_fork_syscall in stalker_agent.c), or None if it did not say
+        #: whether every agent found Frida's heap locks, which its fork()s take
+        #: (bt_on_fork_syscall in stalker_agent.c), or None if none said
         self.fork_heap_locks: bool | None = None
         self.main_key: int | None = None  #: the spawned program's process
         self.lock = threading.Lock()
@@ -1374,8 +1374,10 @@ class _Recording:
                     self.inline_cache = int(event["entries"])
                 elif event.get("type") == "traced-from" and pid == self.main_key:
                     self.traced_from = str(event["at"])
-                elif event.get("type") == "fork-heap-locks" and pid == self.main_key:
-                    self.fork_heap_locks = bool(event["found"])
+                elif event.get("type") == "fork-heap-locks":
+                    self.fork_heap_locks = (
+                        bool(event["found"]) and self.fork_heap_locks is not False
+                    )
                 elif event.get("type") == "late-hook":
                     self._error(_LATE_HOOK[str(event["what"])].format(tid=event["tid"], pid=pid))
                 elif event.get("type") == "thread-untraced" and event.get("inFork"):

@@ -42,17 +42,20 @@ state.add(8 + 8 * 4096 + 824).writePointer(NULL); // BtState.heap_locks: not fou
 state.add(8 + 8 * 4096 + 832).writePointer(NULL);
 state.add(8 + 8 * 4096 + 840).writeU64(0); // nobody holds them (heap_locked_by)
 
+// /proc/self/maps, or nothing without /proc: Frida's Cloak then answers for the agent's code
+// too, as it did for all code, and no heap lock is found (agentData)
+function procMaps() {
+  try {
+    return File.readAllText('/proc/self/maps').split('\n');
+  } catch (e) {
+    return [];
+  }
+}
 // Frida's agent: the mappings /proc/self/maps names so (Frida hides it from Process'
 // modules), merged where they touch.
 function agentRanges() {
-  let maps = '';
-  try {
-    maps = File.readAllText('/proc/self/maps');
-  } catch (e) {
-    // no /proc: Frida's Cloak answers for the agent's code too, as it did for all code
-  }
   const ranges = [];
-  for (const line of maps.split('\n')) {
+  for (const line of procMaps()) {
     if (line.includes('frida-agent')) {
       const [start, end] = line.split(' ')[0].split('-').map((x) => uint64('0x' + x));
       const last = ranges[ranges.length - 1];
@@ -744,15 +747,9 @@ routeForksThroughStub();
 // later), and lets go of on both sides (bt_on_fork_syscall in stalker_agent.c), found among
 // the agent's static data: the unnamed read-write mappings right after its file's.
 function agentData() {
-  let maps = [];
-  try {
-    maps = File.readAllText('/proc/self/maps').split('\n');
-  } catch (e) {
-    return [];
-  }
   const data = [];
   let agentEnd = null;
-  for (const line of maps) {
+  for (const line of procMaps()) {
     const fields = line.trim().split(/\s+/);
     if (fields.length < 5) {
       continue;
