@@ -1394,24 +1394,13 @@ void bt_fork_mark(void) {
     t->fork_kept = t->fork_native = 1;
 }
 
-/* Frida's heap (dlmalloc, two mspaces, each behind a spin lock) is not taken care of across
-   a fork(): a child forked while another thread of its parent was inside it -- Stalker
-   compiling that thread's code, a listener -- inherited the lock held by a thread it does
-   not have, and Frida's recovery in the child, its only thread, spun on it for good
-   (docs/fork.md section 21).  So a fork() takes both locks right before its system call, as
-   glibc does with its own malloc's, and lets go of them in the parent and in the child
-   right after.  Last, in _Fork(), after glibc's own locks: a thread that holds one of
-   glibc's while Stalker compiles its code waits there for Frida's heap, never the other way
-   round (whoever holds Frida's heap lock is inside dlmalloc, which takes none of glibc's or
-   the program's).  Only a fork() that runs natively (through the fork stub): a thread still
-   in Stalker would compile the rest of fork() with the lock held by itself. */
 /* Frida's heap is dlmalloc with two mspaces, whose pointers are among the agent's static
    data, as its malloc_params are: found by their values (the magic word, a 4 KiB page, a
    64 KiB granularity, a 256 KiB mmap threshold, a 2 MiB trim threshold, default flags 7),
    then each mspace (16 bytes into a page: the first chunk of its first mapping) by that
    magic word at +64 and its flags (locks, mmap, non-contiguous: 7) at +880; its spin lock
-   is the int after them.  `words`: the agent's .data and .bss, `size` bytes.  None is taken unless
-   exactly two read back so.  Returns how many were found. */
+   is the int after them.  `words`: the agent's .data and .bss, `size` bytes.  None is
+   taken unless exactly two read back so.  Returns how many were found. */
 int bt_find_heap_locks(const uint64_t *words, uint64_t size) {
   uint64_t n_words = size / 8, magic = 0;
   for (uint64_t i = 0; i + 5 < n_words && magic == 0; i++)
@@ -1448,8 +1437,9 @@ static void release_heap_locks(int n) {
     swap_int(STATE->heap_locks[n], 1, 0);
 }
 
-/* 2 s at most on a lock, should one never be let go of (a thread of the parent that was
-   stopped for good inside dlmalloc): the fork() then goes on as it did before. */
+/* Two million tries at most (a yield every 64), should a lock never be let go of (a thread
+   of the parent stopped for good inside dlmalloc): the fork() then goes on without them, as
+   it did before. */
 static int take_heap_lock(int *lock) {
   for (long spins = 0; swap_int(lock, 0, 1) != 0; spins++) {
     if (spins > 2000000)
@@ -1460,6 +1450,17 @@ static int take_heap_lock(int *lock) {
   return 1;
 }
 
+/* Frida's heap (dlmalloc, two mspaces, each behind a spin lock) is not taken care of across
+   a fork(): a child forked while another thread of its parent was inside it -- Stalker
+   compiling that thread's code, a listener -- inherited the lock held by a thread it does
+   not have, and Frida's recovery in the child, its only thread, spun on it for good
+   (docs/fork.md section 21).  So a fork() takes both locks right before its system call, as
+   glibc does with its own malloc's, and lets go of them in the parent and in the child
+   right after.  Last, in _Fork(), after glibc's own locks: a thread that holds one of
+   glibc's while Stalker compiles its code waits there for Frida's heap, never the other way
+   round (whoever holds Frida's heap lock is inside dlmalloc, which takes none of glibc's or
+   the program's).  Only a fork() that runs natively (through the fork stub): a thread still
+   in Stalker would compile the rest of fork() with the lock held by itself. */
 void bt_on_fork_syscall(GumInvocationContext *ic) {
   (void)ic;
   BtThread *t = current_thread();
