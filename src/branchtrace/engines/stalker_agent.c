@@ -119,7 +119,8 @@ typedef struct {
   int fork_kept;         /* in a fork() called through the fork stub (bt_fork_mark) */
   int ending_turn;       /* holds the fork turn from its call of __call_tls_dtors */
   int fork_entered;      /* on its way into a fork(), entered ahead of the hook (bt_fork_first) */
-  int fork_native;       /* came through the fork stub: runs fork() natively (bt_on_fork_syscall) */
+  int fork_native;       /* came through the fork stub: runs fork() natively, until _Fork()
+                            (bt_on_fork_syscall, hooked only once both heap locks are found) */
 } BtThread;
 
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
@@ -1267,12 +1268,8 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
     unfollow_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
     return;
   }
-  if (!in_forked_child()) {
-    BtThread *t = current_thread();
-    if (t != NULL)
-      t->fork_native = 0; /* should _Fork() not have been reached */
+  if (!in_forked_child())
     bt_after_fork();
-  }
 }
 
 /* The end of a fork() for the host's count (forks_in_flight), in a listener of its own
@@ -1432,6 +1429,7 @@ int bt_find_heap_locks(const uint64_t *words, uint64_t size) {
   return 2;
 }
 
+/* The first n of the two. */
 static void release_heap_locks(int n) {
   while (n-- > 0)
     swap_int(STATE->heap_locks[n], 1, 0);
@@ -1468,9 +1466,9 @@ void bt_on_fork_syscall(GumInvocationContext *ic) {
     return;
   t->fork_native = 0;
   int n = 0;
-  while (n < 2 && STATE->heap_locks[n] != NULL && take_heap_lock(STATE->heap_locks[n]))
+  while (n < 2 && take_heap_lock(STATE->heap_locks[n]))
     n++;
-  if (n < 2 && STATE->heap_locks[n] != NULL) {
+  if (n < 2) {
     release_heap_locks(n);
     return;
   }
@@ -1485,7 +1483,7 @@ void bt_on_fork_syscall_leave(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) == 0
       || STATE->heap_locked_by == (int)raw_syscall3(186 /* gettid */, 0, 0, 0)) {
     STATE->heap_locked_by = 0;
-    release_heap_locks(STATE->heap_locks[1] != NULL ? 2 : 1);
+    release_heap_locks(2);
   }
 }
 
