@@ -1554,13 +1554,13 @@ def test_frida_heap_locks_not_found_are_warned_of_under_follow_fork(tmp_path, fo
     )
     rec = _Recording(TraceDir.create(options.output), options)
     (rec.tracedir.path / f"{_NOTES_FILE}700").write_text(
-        '{"type": "fork-heap-locks", "found": true}\n'
+        '{"type": "fork-heap-locks", "found": true, "signalLock": true}\n'
     )
     (rec.tracedir.path / f"{_NOTES_FILE}701").write_text(
-        f'{{"type": "fork-heap-locks", "found": {str(found).lower()}}}\n'
+        f'{{"type": "fork-heap-locks", "found": {str(found).lower()}, "signalLock": true}}\n'
     )
     (rec.tracedir.path / f"{_NOTES_FILE}702").write_text(
-        '{"type": "fork-heap-locks", "found": true}\n'
+        '{"type": "fork-heap-locks", "found": true, "signalLock": true}\n'
     )
     rec.read_notes()
     assert rec.fork_heap_locks is found
@@ -1571,6 +1571,38 @@ def test_frida_heap_locks_not_found_are_warned_of_under_follow_fork(tmp_path, fo
             "Frida's heap locks were not found (this Frida's layout is not the one "
             "branchtrace knows): a child forked while another thread is inside Frida's "
             "heap can be stuck in Frida's recovery (docs/fork.md section 21)"
+        ]
+    )
+    rec.finish()
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_glib_signal_lock_not_found_is_warned_of_under_follow_fork(tmp_path, found):
+    # each agent says whether it has GLib's signal lock to take across a fork() as well
+    # (stalker_agent.js, findSignalLock); a recording whose heap locks were found warns of a
+    # missing signal lock alone
+    from branchtrace.engines.base import RecordOptions
+    from branchtrace.engines.stalker import _NOTES_FILE, _Recording
+
+    options = RecordOptions(
+        output=tmp_path / "d", mode=Mode.WRAP, buffer_size=1 << 20, follow_fork=True
+    )
+    rec = _Recording(TraceDir.create(options.output), options)
+    for key, signal_lock in ((700, True), (701, found)):
+        (rec.tracedir.path / f"{_NOTES_FILE}{key}").write_text(
+            '{"type": "fork-heap-locks", "found": true, '
+            f'"signalLock": {str(signal_lock).lower()}}}\n'
+        )
+    rec.read_notes()
+    assert rec.fork_heap_locks is True
+    assert rec.fork_signal_lock is found
+    assert rec.errors == (
+        []
+        if found
+        else [
+            "GLib's signal lock was not found in Frida's agent (this Frida is not one "
+            "branchtrace knows): a child forked while another thread starts or ends can "
+            "be stuck in Frida's recovery (docs/fork.md section 22)"
         ]
     )
     rec.finish()
@@ -1777,6 +1809,7 @@ def test_follow_fork_children_forked_while_another_thread_runs_new_code_are_trac
     assert res.returncode == 0 and res.stdout.startswith("10 of 10 children ok"), res.stderr
     meta = trace.meta()
     assert meta["fork_heap_locks"] is True, res.stderr
+    assert meta["fork_signal_lock"] is True, res.stderr
     assert_children_exited_0(meta, 10, res.stderr)
     assert [calls_to(trace, int(pid), exe, "f") for pid in meta["processes"]] == [3] * 10
 

@@ -875,6 +875,12 @@ class _Recording:
         #: whether every agent found Frida's heap locks, which its fork()s take
         #: (bt_on_fork_syscall in stalker_agent.c), or None if none said
         self.fork_heap_locks: bool | None = None
+        #: where the first agent that looked found GLib's signal lock, from the agent's
+        #: start, or -1 if nowhere: the same in every process's agent, so the others are
+        #: handed it (stalker_agent.js)
+        self.signal_lock_offset: int | None = None
+        #: whether every agent found GLib's signal lock, which a fork() takes with them
+        self.fork_signal_lock: bool | None = None
         self.main_key: int | None = None  #: the spawned program's process
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
@@ -948,6 +954,7 @@ class _Recording:
             "snapshots": self.options.snapshots,
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{agent.key}"),
             "spared": self._frida_fds_of(pid, before, forked_from),
+            "signalLockOffset": self.signal_lock_offset,
         }
         agent.script = session.create_script(agent_script(params))
         agent.script.on("message", lambda message, data: self.on_message(agent, message))
@@ -1258,6 +1265,8 @@ class _Recording:
         payload = message.get("payload") or {}
         kind = payload.get("type")
         if kind == "ready":
+            if self.signal_lock_offset is None and payload.get("signalLockOffset") is not None:
+                self.signal_lock_offset = int(payload["signalLockOffset"])
             agent.ready.set()
         elif kind == "thread-start" and payload.get("handed"):
             self.adopt(agent, int(payload["tid"]), payload["handed"], payload.get("named"))
@@ -1378,6 +1387,9 @@ class _Recording:
                     self.fork_heap_locks = (
                         bool(event["found"]) and self.fork_heap_locks is not False
                     )
+                    self.fork_signal_lock = (
+                        bool(event.get("signalLock")) and self.fork_signal_lock is not False
+                    )
                 elif event.get("type") == "late-hook":
                     self._error(_LATE_HOOK[str(event["what"])].format(tid=event["tid"], pid=pid))
                 elif event.get("type") == "thread-untraced" and event.get("inFork"):
@@ -1399,6 +1411,12 @@ class _Recording:
                 "Frida's heap locks were not found (this Frida's layout is not the one "
                 "branchtrace knows): a child forked while another thread is inside Frida's "
                 "heap can be stuck in Frida's recovery (docs/fork.md section 21)"
+            )
+        elif self.options.follow_fork and self.fork_signal_lock is False:
+            self._error(
+                "GLib's signal lock was not found in Frida's agent (this Frida is not one "
+                "branchtrace knows): a child forked while another thread starts or ends can "
+                "be stuck in Frida's recovery (docs/fork.md section 22)"
             )
         if self.inline_cache is not None and self.inline_cache != INLINE_CACHE:
             self._error(
@@ -2374,6 +2392,7 @@ class StalkerEngine:
         meta["inline_cache"] = rec.inline_cache
         meta["traced_from"] = rec.traced_from
         meta["fork_heap_locks"] = rec.fork_heap_locks
+        meta["fork_signal_lock"] = rec.fork_signal_lock
         tracedir.write_meta(meta)
         return result
 

@@ -221,7 +221,8 @@ typedef struct {
   uint64_t tls_dtors;    /* __call_tls_dtors, or 0 */
   int *heap_locks[2];    /* Frida's heap's spin locks, or NULL (bt_find_heap_locks) */
   volatile int heap_locked_by; /* the thread holding them across a fork(), or 0 */
-  int heap_pad;
+  int glib_locks_held;   /* which of GLib's that thread holds as well: FORK_HELD_* */
+  int *signal_lock;      /* GLib's signal lock, or NULL (bt_find_signal_lock) */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1429,6 +1430,113 @@ int bt_find_heap_locks(const uint64_t *words, uint64_t size) {
   return 2;
 }
 
+/* Two of GLib's mutexes (futex words: 0 free, 1 held, 2 held with waiters asleep on
+   FUTEX_WAIT_PRIVATE) that the program's threads take inside Frida's code outside any fork
+   turn, and that Frida's recovery in a forked child takes: a child forked while a thread
+   held one inherited it held by a thread it does not have, and waited for good
+   (docs/fork.md section 22).
+   - GLib's signal lock (gsignal.c's g_signal_mutex), which each g_signal_emit() takes: Gum's
+     thread registry emits "thread-added" on every new thread and "thread-removed" on every
+     ending one, in that thread, around onAdded's fork turn.  The forking child's recovery
+     (GDBus, GObject) waited on it.
+   - Stalker's mutex (GumStalker.mutex, the word before its list of contexts: +0xa8, see
+     unfollow_inherited_contexts), which a thread takes as it starts being followed -- GumJS
+     calls gum_stalker_follow_me() for Stalker.follow() once the script's lock is let go,
+     after onAdded has given its turn back -- and as it ends; Frida's flush of this script in
+     the child (gum_stalker_stop()) takes it.
+   Neither holder takes the other inside, both take Frida's heap lock inside, so a fork()
+   takes them before those. */
+#define FORK_HELD_SIGNAL 1
+#define FORK_HELD_STALKER 2
+
+static int *stalker_mutex(void) {
+  return STATE->stalker == NULL ? NULL : (int *)(STATE->stalker + 0xa8);
+}
+
+static void release_glib_mutex(int *mutex, int in_child) {
+  if (in_child) {
+    *(volatile int *)mutex = 0; /* the child has no other thread to wake */
+    return;
+  }
+  int before;
+  __asm__ __volatile__("xchgl %0, (%1)" : "=r"(before) : "r"(mutex), "0"(0) : "memory");
+  if (before == 2)
+    raw_syscall3(202 /* futex */, (long)mutex, 1 | 128 /* FUTEX_WAKE_PRIVATE */, 1);
+}
+
+static void release_glib_locks(int held, int in_child) {
+  if (held & FORK_HELD_STALKER)
+    release_glib_mutex(stalker_mutex(), in_child);
+  if (held & FORK_HELD_SIGNAL)
+    release_glib_mutex(STATE->signal_lock, in_child);
+}
+
+/* GLib's signal lock is a static of the agent, unnamed (stripped): found as the static GMutex
+   that g_mutex_lock() is called on (lea rdi, [rip+X]; call g_mutex_lock) from at least 4
+   places within 64 KiB of the code that names "-gtk-private-changed", a string of
+   gsignal.c's own (its address `marker`, found by the script), and from nowhere else there;
+   X must lie in the agent's static data.  `text`: the agent's code.  Returns X, or NULL. */
+void *bt_find_signal_lock(const uint8_t *text, uint64_t text_size, const uint8_t *marker,
+                        const uint8_t *data, uint64_t data_size) {
+  const uint8_t *end = text + text_size, *first = NULL, *last = NULL;
+  /* lea r64, [rip+marker]: 48|4c 8d modrm disp32, looked for from its 0x8d eight bytes at a
+     time (a byte loop compiled by TinyCC took 60-90 ms per process) */
+  const uint64_t ones = 0x0101010101010101ULL, highs = 0x8080808080808080ULL;
+  for (const uint8_t *word = text + 1; word + 8 + 6 <= end; word += 8) {
+    uint64_t x = *(const uint64_t *)word ^ (0x8d * ones);
+    if (((x - ones) & ~x & highs) == 0)
+      continue; /* no 0x8d among these eight */
+    for (const uint8_t *op = word; op < word + 8; op++) {
+      const uint8_t *p = op - 1;
+      if (op[0] == 0x8d && (p[0] == 0x48 || p[0] == 0x4c) && (p[2] & 0xc7) == 0x05
+          && p + 7 + *(const int32_t *)(p + 3) == marker) {
+        if (first == NULL)
+          first = p;
+        last = p;
+      }
+    }
+  }
+  if (first == NULL || last - first > 0x10000)
+    return NULL;
+  const uint8_t *lock_fn = (const uint8_t *)(void *)g_mutex_lock;
+  const uint8_t *from = first - text > 0x10000 ? first - 0x10000 : text;
+  const uint8_t *to = end - last > 0x10000 + 12 ? last + 0x10000 : end - 12;
+  const uint8_t *found[8];
+  int counts[8], n = 0;
+  for (const uint8_t *p = from; p < to; p++) {
+    if (p[0] != 0x48 || p[1] != 0x8d || p[2] != 0x3d || p[7] != 0xe8
+        || p + 12 + *(const int32_t *)(p + 8) != lock_fn)
+      continue;
+    const uint8_t *mutex = p + 7 + *(const int32_t *)(p + 3);
+    if (mutex < data || mutex + 4 > data + data_size)
+      continue;
+    int j = 0;
+    while (j < n && found[j] != mutex)
+      j++;
+    if (j == n) {
+      if (n == 8)
+        return NULL;
+      found[n] = mutex;
+      counts[n++] = 0;
+    }
+    counts[j]++;
+  }
+  int best = -1;
+  for (int j = 0; j < n; j++)
+    if (counts[j] >= 4) {
+      if (best >= 0)
+        return NULL;
+      best = j;
+    }
+  if (best < 0)
+    return NULL;
+  return (void *)found[best];
+}
+
+void bt_use_signal_lock(int *lock) {
+  STATE->signal_lock = lock;
+}
+
 /* The first n of the two. */
 static void release_heap_locks(int n) {
   while (n-- > 0)
@@ -1436,9 +1544,9 @@ static void release_heap_locks(int n) {
 }
 
 /* Two million tries at most (a yield every 64), should a lock never be let go of (a thread
-   of the parent stopped for good inside dlmalloc): the fork() then goes on without them, as
-   it did before. */
-static int take_heap_lock(int *lock) {
+   of the parent stopped for good inside dlmalloc, or holding one of GLib's): the fork()
+   then goes on without them, as it did before. */
+static int take_lock(int *lock) {
   for (long spins = 0; swap_int(lock, 0, 1) != 0; spins++) {
     if (spins > 2000000)
       return 0;
@@ -1465,25 +1573,34 @@ void bt_on_fork_syscall(GumInvocationContext *ic) {
   if (t == NULL || !t->fork_native || STATE->heap_locks[0] == NULL)
     return;
   t->fork_native = 0;
-  int n = 0;
-  while (n < 2 && take_heap_lock(STATE->heap_locks[n]))
+  int held = 0, n = 0;
+  if (STATE->signal_lock != NULL && take_lock(STATE->signal_lock))
+    held |= FORK_HELD_SIGNAL;
+  if (stalker_mutex() != NULL && take_lock(stalker_mutex()))
+    held |= FORK_HELD_STALKER;
+  while (n < 2 && take_lock(STATE->heap_locks[n]))
     n++;
   if (n < 2) {
     release_heap_locks(n);
+    release_glib_locks(held, 0);
     return;
   }
+  STATE->glib_locks_held = held;
   STATE->heap_locked_by = (int)raw_syscall3(186 /* gettid */, 0, 0, 0);
 }
 
 /* In the child, whichever thread of the parent took them: the child has no other thread
-   that could be inside dlmalloc. */
+   that could be inside dlmalloc or hold GLib's locks. */
 void bt_on_fork_syscall_leave(GumInvocationContext *ic) {
   if (STATE->heap_locked_by == 0)
     return;
-  if ((gssize)gum_invocation_context_get_return_value(ic) == 0
-      || STATE->heap_locked_by == (int)raw_syscall3(186 /* gettid */, 0, 0, 0)) {
+  int in_child = (gssize)gum_invocation_context_get_return_value(ic) == 0;
+  if (in_child || STATE->heap_locked_by == (int)raw_syscall3(186 /* gettid */, 0, 0, 0)) {
+    int held = STATE->glib_locks_held;
+    STATE->glib_locks_held = 0;
     STATE->heap_locked_by = 0;
     release_heap_locks(2);
+    release_glib_locks(held, in_child);
   }
 }
 

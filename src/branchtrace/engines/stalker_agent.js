@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 848); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 856); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -41,6 +41,7 @@ state.add(CODE_MAP + 8).writePointer(NULL); // BtState.stalker: not checked yet
 state.add(8 + 8 * 4096 + 824).writePointer(NULL); // BtState.heap_locks: not found yet
 state.add(8 + 8 * 4096 + 832).writePointer(NULL);
 state.add(8 + 8 * 4096 + 840).writeU64(0); // nobody holds them (heap_locked_by)
+state.add(8 + 8 * 4096 + 848).writePointer(NULL); // BtState.signal_lock: not found yet
 
 // /proc/self/maps, or nothing without /proc: Frida's Cloak then answers for the agent's code
 // too, as it did for all code, and no heap lock is found (agentData)
@@ -53,10 +54,10 @@ function procMaps() {
 }
 // Frida's agent: the mappings /proc/self/maps names so (Frida hides it from Process'
 // modules), merged where they touch.
-function agentRanges() {
+function agentRanges(perms = '') {
   const ranges = [];
   for (const line of procMaps()) {
-    if (line.includes('frida-agent')) {
+    if (line.includes('frida-agent') && line.split(' ')[1].startsWith(perms)) {
       const [start, end] = line.split(' ')[0].split('-').map((x) => uint64('0x' + x));
       const last = ranges[ranges.length - 1];
       if (last !== undefined && last[1].equals(start)) {
@@ -774,7 +775,44 @@ const heapLocksFound = forkSyscall !== null
 if (heapLocksFound) {
   attach(forkSyscall, { onEnter: cm.bt_on_fork_syscall, onLeave: cm.bt_on_fork_syscall_leave });
 }
-note({ type: 'fork-heap-locks', found: heapLocksFound });
+// GLib's signal lock, which a fork() takes as well (bt_on_fork_syscall), found by the code
+// around gsignal.c's own string (bt_find_signal_lock: 26 to 72 ms) in the recording's first
+// process; the others have the same agent, so the recorder hands them what it found.
+function findSignalLock() {
+  const marker = Array.from('-gtk-private-changed\0', (c) => c.charCodeAt(0).toString(16)
+    .padStart(2, '0')).join(' ');
+  const find = new NativeFunction(cm.bt_find_signal_lock, 'pointer',
+    ['pointer', 'uint64', 'pointer', 'pointer', 'uint64']);
+  const code = agentRanges('r-x');
+  const data = agentData();
+  for (const [start, end] of agentRanges('r--')) {
+    const at = ptr('0x' + start.toString(16));
+    for (const hit of Memory.scanSync(at, end.sub(start).toNumber(), marker)) {
+      for (const [codeStart, codeEnd] of code) {
+        for (const [dataStart, dataEnd] of data) {
+          const lock = find(ptr('0x' + codeStart.toString(16)), codeEnd.sub(codeStart),
+            hit.address, dataStart, uint64(dataEnd.sub(dataStart).toString()));
+          if (!lock.isNull()) {
+            return lock;
+          }
+        }
+      }
+    }
+  }
+  return null;
+}
+// The offset from the agent's start: null before any process looked, -1 if none found it.
+const agentBase = ptr('0x' + agentRanges()[0][0].toString(16));
+let signalLockOffset = null;
+if (heapLocksFound) {
+  const given = PARAMS.signalLockOffset;
+  const lock = given === null ? findSignalLock() : given >= 0 ? agentBase.add(given) : null;
+  signalLockOffset = lock === null ? -1 : lock.sub(agentBase).toInt32();
+  if (lock !== null) {
+    new NativeFunction(cm.bt_use_signal_lock, 'void', ['pointer'])(lock);
+  }
+}
+note({ type: 'fork-heap-locks', found: heapLocksFound, signalLock: signalLockOffset >= 0 });
 
 // A spawned program is traced from the first of these its main thread runs: the
 // executable's _init, where Frida holds it (libc calls _init right before the executable's
@@ -1209,4 +1247,4 @@ function finish() {
   return finished;
 }
 
-send({ type: 'ready' });
+send({ type: 'ready', signalLockOffset });
