@@ -223,6 +223,7 @@ typedef struct {
   volatile int heap_locked_by; /* the thread holding them across a fork(), or 0 */
   int glib_locks_held;   /* which of GLib's that thread holds as well: FORK_HELD_* */
   int *signal_lock;      /* GLib's signal lock, or NULL (bt_find_signal_lock) */
+  uint64_t transformer_at; /* GumExecCtx.transformer's offset, or 0 (widen_inline_cache) */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1235,6 +1236,9 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
    .state at 0, .stalker at 16, .thread_id at 24): used only once widen_inline_cache() has
    checked the object, and only when every context in the list reads back as this
    Stalker's. */
+void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data);
+static void unlock_inherited_datalists(uint8_t *exec_ctx);
+
 static void unfollow_inherited_contexts(uint32_t forking_thread) {
   uint8_t *stalker = STATE->stalker, **first = NULL, **node;
   if (stalker == NULL || !read_safely(stalker + 0xb0, &first, 8))
@@ -1246,9 +1250,31 @@ static void unfollow_inherited_contexts(uint32_t forking_thread) {
         || !read_safely(entry[0] + 16, &owner, 8) || owner != stalker)
       return;
   }
-  for (node = first; node != NULL; node = (uint8_t **)node[1])
+  for (node = first; node != NULL; node = (uint8_t **)node[1]) {
     if (*(uint64_t *)(node[0] + 24) != forking_thread)
       swap_int((int *)node[0], 0 /* GUM_EXEC_CTX_ACTIVE */, 1 /* UNFOLLOW_PENDING */);
+    unlock_inherited_datalists(node[0]);
+  }
+}
+
+/* A context's transformer and sink are GObjects whose last reference Frida's flush of this
+   script drops in the child, and dropping it locks the object's datalist (GLib's bit lock,
+   bit 2 of GObject.qdata at +16).  A stuck child's JavaScript thread waited there for good
+   on a transformer's, locked with nothing in it: taken by a thread of the parent as it
+   forked (which one is not proven: a new thread's gum_stalker_follow_me() takes references
+   on both outside any fork turn, and GLib checks an object that has one reference for
+   toggle references under a lock of the object's; docs/fork.md section 22).  In the child
+   no other thread can hold it, so a datalist locked with nothing in it (the word is 4) is
+   unlocked; one that holds data is left alone. */
+static void unlock_inherited_datalists(uint8_t *exec_ctx) {
+  uint64_t at = STATE->transformer_at, objects[3], callback = 0, qdata;
+  if (at == 0 || !read_safely(exec_ctx + at, objects, 24)
+      || !read_safely((void *)(objects[0] + 24), &callback, 8)
+      || callback != (uint64_t)(void *)transform)
+    return;
+  for (int i = 0; i < 3; i += 2) /* the transformer, the sink */
+    if (objects[i] != 0 && read_safely((void *)(objects[i] + 16), &qdata, 8) && qdata == 4)
+      swap_int((int *)(objects[i] + 16), 4, 0);
 }
 
 void bt_on_fork_leave(GumInvocationContext *ic) {
@@ -2552,7 +2578,24 @@ static void note_late_hook(const char *what) {
 #define BT_NUMBER(x) BT_STRING(x)
 #define BT_IC_NOTE(entries) "{\"type\": \"inline-cache\", \"entries\": " entries "}\n"
 
-static void widen_inline_cache(GumStalkerIterator *iterator) {
+/* Where a GumExecCtx holds its transformer, for unlock_inherited_datalists(): the word of
+   the thread's context that points at the transformer GumJS made for it (a
+   GumCallbackStalkerTransformer: GObject header, then our transform at +24 and its data,
+   the thread's BtThread, at +32).  The sink follows 16 bytes later (transform_block_impl
+   between them). */
+static void find_transformer_at(const uint8_t *exec_ctx, BtThread *t) {
+  for (uint64_t at = 32; at < 8192; at += 8) {
+    uint64_t object = 0, fields[2];
+    if (read_safely(exec_ctx + at, &object, 8) && (object & 7) == 0 && object >= 0x10000
+        && read_safely((void *)(object + 24), fields, 16)
+        && fields[0] == (uint64_t)(void *)transform && fields[1] == (uint64_t)t) {
+      STATE->transformer_at = at;
+      return;
+    }
+  }
+}
+
+static void widen_inline_cache(GumStalkerIterator *iterator, BtThread *t) {
   if (STATE->ic_done)
     return;
   if (g_atomic_int_add(&STATE->ic_ticket, 1) != 0) {
@@ -2572,6 +2615,7 @@ static void widen_inline_cache(GumStalkerIterator *iterator) {
     *(uint32_t *)(stalker + 24) = BT_IC_ENTRIES;
     entries = BT_IC_ENTRIES;
     STATE->stalker = stalker;
+    find_transformer_at(exec_ctx, t);
   }
   STATE->ic_done = 1;
   bt_note(entries == BT_IC_ENTRIES ? BT_IC_NOTE(BT_NUMBER(BT_IC_ENTRIES)) : BT_IC_NOTE("2"));
@@ -3154,7 +3198,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       gum_stalker_iterator_keep(iterator);
     return;
   }
-  widen_inline_cache(iterator);
+  widen_inline_cache(iterator, t);
   if (!t->altstack_tried && STATE->faults_taken != 0)
     arm_altstack(t);
   t->exec_ctx = *(uint8_t **)iterator; /* GumStalkerIterator.exec_context (context_to_let_go) */
