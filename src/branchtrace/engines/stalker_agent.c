@@ -223,7 +223,7 @@ typedef struct {
   volatile int heap_locked_by; /* the thread holding them across a fork(), or 0 */
   int glib_locks_held;   /* which of GLib's that thread holds as well: FORK_HELD_* */
   int *signal_lock;      /* GLib's signal lock, or NULL (bt_find_signal_lock) */
-  uint64_t transformer_at; /* GumExecCtx.transformer's offset, or 0 (widen_inline_cache) */
+  uint64_t transformer_at; /* GumExecCtx.transformer's offset, or 0 (find_transformer_at) */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1220,6 +1220,9 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
   bt_before_fork();
 }
 
+void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data);
+static void unlock_inherited_datalists(uint8_t *exec_ctx);
+
 /* A forked child inherits Stalker's contexts of the parent's threads.  When Frida flushes
    this script there, Gum stops Stalker: it unfollows each context still active, and one
    that has not run in Stalker yet (a thread followed from outside as an attach began, and
@@ -1235,10 +1238,8 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
    That is Gum 17's private layout (GumStalker.contexts, a GSList, at +0xb0; GumExecCtx
    .state at 0, .stalker at 16, .thread_id at 24): used only once widen_inline_cache() has
    checked the object, and only when every context in the list reads back as this
-   Stalker's. */
-void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data);
-static void unlock_inherited_datalists(uint8_t *exec_ctx);
-
+   Stalker's.  Each context's GObjects' datalist locks are let go of as well
+   (unlock_inherited_datalists). */
 static void unfollow_inherited_contexts(uint32_t forking_thread) {
   uint8_t *stalker = STATE->stalker, **first = NULL, **node;
   if (stalker == NULL || !read_safely(stalker + 0xb0, &first, 8))
