@@ -1542,10 +1542,30 @@ def test_a_hook_frida_wrote_too_late_is_warned_of_by_what_it_cost(tmp_path):
     rec.finish()
 
 
-@pytest.mark.parametrize("found", [True, False])
-def test_frida_heap_locks_not_found_are_warned_of_under_follow_fork(tmp_path, found):
-    # each agent says whether it found Frida's heap locks (stalker_agent.js, heapLocksFound),
-    # the recording whether all did
+_HEAP_LOCKS_MISSING = (
+    "Frida's heap locks were not found (this Frida's layout is not the one "
+    "branchtrace knows): a child forked while another thread is inside Frida's "
+    "heap can be stuck in Frida's recovery (docs/fork.md section 21)"
+)
+_SIGNAL_LOCK_MISSING = (
+    "GLib's signal lock was not found in Frida's agent (this Frida is not one "
+    "branchtrace knows): a child forked while another thread starts or ends can "
+    "be stuck in Frida's recovery (docs/fork.md section 22)"
+)
+
+
+@pytest.mark.parametrize(
+    ("heap", "signal", "warned"),
+    [
+        (True, True, []),
+        (False, False, [_HEAP_LOCKS_MISSING]),
+        (True, False, [_SIGNAL_LOCK_MISSING]),
+    ],
+)
+def test_frida_fork_locks_not_found_are_warned_of_under_follow_fork(tmp_path, heap, signal, warned):
+    # each agent says whether it found Frida's heap locks and GLib's signal lock, which its
+    # fork()s take (stalker_agent.js: heapLocksFound, findSignalLock), the recording whether
+    # all did; an agent without the heap locks takes neither, and is warned of those alone
     from branchtrace.engines.base import RecordOptions
     from branchtrace.engines.stalker import _NOTES_FILE, _Recording
 
@@ -1553,58 +1573,14 @@ def test_frida_heap_locks_not_found_are_warned_of_under_follow_fork(tmp_path, fo
         output=tmp_path / "d", mode=Mode.WRAP, buffer_size=1 << 20, follow_fork=True
     )
     rec = _Recording(TraceDir.create(options.output), options)
-    (rec.tracedir.path / f"{_NOTES_FILE}700").write_text(
-        '{"type": "fork-heap-locks", "found": true, "signalLock": true}\n'
-    )
-    (rec.tracedir.path / f"{_NOTES_FILE}701").write_text(
-        f'{{"type": "fork-heap-locks", "found": {str(found).lower()}, "signalLock": true}}\n'
-    )
-    (rec.tracedir.path / f"{_NOTES_FILE}702").write_text(
-        '{"type": "fork-heap-locks", "found": true, "signalLock": true}\n'
-    )
-    rec.read_notes()
-    assert rec.fork_heap_locks is found
-    assert rec.errors == (
-        []
-        if found
-        else [
-            "Frida's heap locks were not found (this Frida's layout is not the one "
-            "branchtrace knows): a child forked while another thread is inside Frida's "
-            "heap can be stuck in Frida's recovery (docs/fork.md section 21)"
-        ]
-    )
-    rec.finish()
-
-
-@pytest.mark.parametrize("found", [True, False])
-def test_glib_signal_lock_not_found_is_warned_of_under_follow_fork(tmp_path, found):
-    # each agent says whether it has GLib's signal lock to take across a fork() as well
-    # (stalker_agent.js, findSignalLock); a recording whose heap locks were found warns of a
-    # missing signal lock alone
-    from branchtrace.engines.base import RecordOptions
-    from branchtrace.engines.stalker import _NOTES_FILE, _Recording
-
-    options = RecordOptions(
-        output=tmp_path / "d", mode=Mode.WRAP, buffer_size=1 << 20, follow_fork=True
-    )
-    rec = _Recording(TraceDir.create(options.output), options)
-    for key, signal_lock in ((700, True), (701, found)):
+    for key, found in ((700, (True, True)), (701, (heap, signal)), (702, (True, True))):
         (rec.tracedir.path / f"{_NOTES_FILE}{key}").write_text(
-            '{"type": "fork-heap-locks", "found": true, '
-            f'"signalLock": {str(signal_lock).lower()}}}\n'
+            f'{{"type": "fork-heap-locks", "found": {str(found[0]).lower()}, '
+            f'"signalLock": {str(found[1]).lower()}}}\n'
         )
     rec.read_notes()
-    assert rec.fork_heap_locks is True
-    assert rec.fork_signal_lock is found
-    assert rec.errors == (
-        []
-        if found
-        else [
-            "GLib's signal lock was not found in Frida's agent (this Frida is not one "
-            "branchtrace knows): a child forked while another thread starts or ends can "
-            "be stuck in Frida's recovery (docs/fork.md section 22)"
-        ]
-    )
+    assert (rec.fork_heap_locks, rec.fork_signal_lock) == (heap, signal)
+    assert rec.errors == warned
     rec.finish()
 
 

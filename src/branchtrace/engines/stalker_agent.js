@@ -803,9 +803,9 @@ function findSignalLock() {
   return null;
 }
 // The offset from the agent's start: null before any process looked, -1 if none found it.
-const agentBase = ptr('0x' + agentRanges()[0][0].toString(16));
 let signalLockOffset = null;
-if (heapLocksFound) {
+if (heapLocksFound) { // so /proc/self/maps showed the agent
+  const agentBase = ptr('0x' + agentRanges()[0][0].toString(16));
   const given = PARAMS.signalLockOffset;
   const lock = given === null ? findSignalLock() : given >= 0 ? agentBase.add(given) : null;
   signalLockOffset = lock === null ? -1 : lock.sub(agentBase).toInt32();
