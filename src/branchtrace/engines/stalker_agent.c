@@ -223,7 +223,6 @@ typedef struct {
   volatile int heap_locked_by; /* the thread holding them across a fork(), or 0 */
   int glib_locks_held;   /* which of GLib's that thread holds as well: FORK_HELD_* */
   int *signal_lock;      /* GLib's signal lock, or NULL (bt_find_signal_lock) */
-  uint64_t transformer_at; /* GumExecCtx.transformer's offset, or 0 (find_transformer_at) */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1205,7 +1204,7 @@ void bt_fork_first(void) {
 }
 
 void bt_on_fork_enter(GumInvocationContext *ic) {
-  /* for the child's leave listener (unfollow_inherited_contexts), in a forked child's copy
+  /* for the child's leave listener (drop_inherited_contexts), in a forked child's copy
      of this script as well: its own children inherit its contexts */
   *GUM_IC_GET_INVOCATION_DATA(ic, uint32_t) = (uint32_t)raw_syscall3(186 /* gettid */, 0, 0, 0);
   if (in_forked_child())
@@ -1220,62 +1219,46 @@ void bt_on_fork_enter(GumInvocationContext *ic) {
   bt_before_fork();
 }
 
-void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data);
-static void unlock_inherited_datalists(uint8_t *exec_ctx);
+static int *stalker_mutex(void);
+static int take_lock(int *lock);
+static void release_glib_mutex(int *mutex, int in_child);
 
-/* A forked child inherits Stalker's contexts of the parent's threads.  When Frida flushes
-   this script there, Gum stops Stalker: it unfollows each context still active, and one
-   that has not run in Stalker yet (a thread followed from outside as an attach began, and
-   blocked since) from outside, through its helper that ptraces the thread by id -- in the
-   child, an id that names a thread of the PARENT.  The parent's main thread then sat in a
-   ptrace stop of its child's helper while Frida's injector came to re-create the parent's
-   agent thread after that fork(): it found the process "traced by another process", and
-   the parent died in Frida's recovery (agent+0x31d855; docs/fork.md section 16).  So the
-   child marks those contexts unfollowed first, as Gum's unfollow does before it reaches
-   for a thread: its stop then reaches for none.  The forking thread's own context is left
-   as it is: the thread runs on in it in the child until that stop, as before (marking it
-   too sent the child out of Stalker at once; 4 of 8 CI runs failed while it did).
-   That is Gum 17's private layout (GumStalker.contexts, a GSList, at +0xb0; GumExecCtx
-   .state at 0, .stalker at 16, .thread_id at 24): used only once widen_inline_cache() has
-   checked the object, and only when every context in the list reads back as this
-   Stalker's.  Each context's GObjects' datalist locks are let go of as well
-   (unlock_inherited_datalists). */
-static void unfollow_inherited_contexts(uint32_t forking_thread) {
+/* A forked child inherits Stalker's contexts of the parent's threads, and Frida's flush of
+   this script there has Gum free every context whose thread the process does not have --
+   all but the forking thread's.  A thread of the parent that was compiling code as another
+   forked left its context half changed in the child's copy (Gum's hash table of its blocks
+   grown, the old table not yet let go of): freeing it there corrupted Frida's heap.  A
+   stuck child's JavaScript thread had faulted inside dlmalloc, freeing under the script's
+   flush (a free chunk all zeros), and spun for good in its fault handler on the heap lock
+   it held itself; others died of that SIGSEGV (docs/fork.md section 23).  Frida's flush
+   also waited on those contexts' GObject locks held by the parent's threads (section 22),
+   and Gum's stop reached for their threads by id, through a helper that ptraces -- in the
+   child, ids of the PARENT's threads: the parent died in Frida's recovery (section 16).
+   So the child takes every context but the forking thread's out of Stalker's list: Gum
+   never sees them, and the child keeps their memory, a copy of its parent's, untouched.
+   The forking thread's own is left in: the thread runs on in it in the child until
+   Frida's flush (taking it out sent the child's thread out from under Stalker; section
+   16's table).  Gum 17's private layout (GumStalker.contexts, a GSList, at +0xb0, under
+   its mutex; GumExecCtx.stalker at 16, .thread_id at 24): used only once
+   widen_inline_cache() has checked the object, and only when every context in the list
+   reads back as this Stalker's. */
+static void drop_inherited_contexts(uint32_t forking_thread) {
   uint8_t *stalker = STATE->stalker, **first = NULL, **node;
-  if (stalker == NULL || !read_safely(stalker + 0xb0, &first, 8))
+  if (stalker == NULL || !take_lock(stalker_mutex()))
     return;
-  int n = 0;
-  for (node = first; node != NULL; node = (uint8_t **)node[1]) {
+  int n = 0, whole = read_safely(stalker + 0xb0, &first, 8);
+  for (node = first; whole && node != NULL; node = (uint8_t **)node[1]) {
     uint8_t *entry[2], *owner;
-    if (++n > 65536 || !read_safely(node, entry, 16) || entry[0] == NULL
-        || !read_safely(entry[0] + 16, &owner, 8) || owner != stalker)
-      return;
+    whole = ++n <= 65536 && read_safely(node, entry, 16) && entry[0] != NULL
+            && read_safely(entry[0] + 16, &owner, 8) && owner == stalker;
   }
-  for (node = first; node != NULL; node = (uint8_t **)node[1]) {
+  uint8_t ***link = (uint8_t ***)(stalker + 0xb0);
+  for (node = whole ? first : NULL; node != NULL; node = (uint8_t **)node[1])
     if (*(uint64_t *)(node[0] + 24) != forking_thread)
-      swap_int((int *)node[0], 0 /* GUM_EXEC_CTX_ACTIVE */, 1 /* UNFOLLOW_PENDING */);
-    unlock_inherited_datalists(node[0]);
-  }
-}
-
-/* A context's transformer and sink are GObjects whose last reference Frida's flush of this
-   script drops in the child, and dropping it locks the object's datalist (GLib's bit lock,
-   bit 2 of GObject.qdata at +16).  A stuck child's JavaScript thread waited there for good
-   on a transformer's, locked with nothing in it: taken by a thread of the parent as it
-   forked (which one is not proven: a new thread's gum_stalker_follow_me() takes references
-   on both outside any fork turn, and GLib checks an object that has one reference for
-   toggle references under a lock of the object's; docs/fork.md section 22).  In the child
-   no other thread can hold it, so a datalist locked with nothing in it (the word is 4) is
-   unlocked; one that holds data is left alone. */
-static void unlock_inherited_datalists(uint8_t *exec_ctx) {
-  uint64_t at = STATE->transformer_at, objects[3], callback = 0, qdata;
-  if (at == 0 || !read_safely(exec_ctx + at, objects, 24)
-      || !read_safely((void *)(objects[0] + 24), &callback, 8)
-      || callback != (uint64_t)(void *)transform)
-    return;
-  for (int i = 0; i < 3; i += 2) /* the transformer, the sink */
-    if (objects[i] != 0 && read_safely((void *)(objects[i] + 16), &qdata, 8) && qdata == 4)
-      swap_int((int *)(objects[i] + 16), 4, 0);
+      *link = (uint8_t **)node[1];
+    else
+      link = (uint8_t ***)&node[1];
+  release_glib_mutex(stalker_mutex(), 0);
 }
 
 void bt_on_fork_leave(GumInvocationContext *ic) {
@@ -1293,7 +1276,7 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     bt_release_faults(); /* Frida frees this code in the child */
     disarm_inherited_altstack();
-    unfollow_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
+    drop_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
     return;
   }
   if (!in_forked_child())
@@ -1467,7 +1450,7 @@ int bt_find_heap_locks(const uint64_t *words, uint64_t size) {
      ending one, in that thread, around onAdded's fork turn.  The forking child's recovery
      (GDBus, GObject) waited on it.
    - Stalker's mutex (GumStalker.mutex, the word before its list of contexts: +0xa8, see
-     unfollow_inherited_contexts), which a thread takes as it starts being followed -- GumJS
+     drop_inherited_contexts), which a thread takes as it starts being followed -- GumJS
      calls gum_stalker_follow_me() for Stalker.follow() once the script's lock is let go,
      after onAdded has given its turn back -- and as it ends; Frida's flush of this script in
      the child (gum_stalker_stop()) takes it.
@@ -2579,24 +2562,7 @@ static void note_late_hook(const char *what) {
 #define BT_NUMBER(x) BT_STRING(x)
 #define BT_IC_NOTE(entries) "{\"type\": \"inline-cache\", \"entries\": " entries "}\n"
 
-/* Where a GumExecCtx holds its transformer, for unlock_inherited_datalists(): the word of
-   the thread's context that points at the transformer GumJS made for it (a
-   GumCallbackStalkerTransformer: GObject header, then our transform at +24 and its data,
-   the thread's BtThread, at +32).  The sink follows 16 bytes later (transform_block_impl
-   between them). */
-static void find_transformer_at(const uint8_t *exec_ctx, BtThread *t) {
-  for (uint64_t at = 32; at < 8192; at += 8) {
-    uint64_t object = 0, fields[2];
-    if (read_safely(exec_ctx + at, &object, 8) && (object & 7) == 0 && object >= 0x10000
-        && read_safely((void *)(object + 24), fields, 16)
-        && fields[0] == (uint64_t)(void *)transform && fields[1] == (uint64_t)t) {
-      STATE->transformer_at = at;
-      return;
-    }
-  }
-}
-
-static void widen_inline_cache(GumStalkerIterator *iterator, BtThread *t) {
+static void widen_inline_cache(GumStalkerIterator *iterator) {
   if (STATE->ic_done)
     return;
   if (g_atomic_int_add(&STATE->ic_ticket, 1) != 0) {
@@ -2616,7 +2582,6 @@ static void widen_inline_cache(GumStalkerIterator *iterator, BtThread *t) {
     *(uint32_t *)(stalker + 24) = BT_IC_ENTRIES;
     entries = BT_IC_ENTRIES;
     STATE->stalker = stalker;
-    find_transformer_at(exec_ctx, t);
   }
   STATE->ic_done = 1;
   bt_note(entries == BT_IC_ENTRIES ? BT_IC_NOTE(BT_NUMBER(BT_IC_ENTRIES)) : BT_IC_NOTE("2"));
@@ -3199,7 +3164,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       gum_stalker_iterator_keep(iterator);
     return;
   }
-  widen_inline_cache(iterator, t);
+  widen_inline_cache(iterator);
   if (!t->altstack_tried && STATE->faults_taken != 0)
     arm_altstack(t);
   t->exec_ctx = *(uint8_t **)iterator; /* GumStalkerIterator.exec_context (context_to_let_go) */

@@ -16,7 +16,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 864); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 856); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -42,7 +42,6 @@ state.add(8 + 8 * 4096 + 824).writePointer(NULL); // BtState.heap_locks: not fou
 state.add(8 + 8 * 4096 + 832).writePointer(NULL);
 state.add(8 + 8 * 4096 + 840).writeU64(0); // nobody holds them (heap_locked_by)
 state.add(8 + 8 * 4096 + 848).writePointer(NULL); // BtState.signal_lock: not found yet
-state.add(8 + 8 * 4096 + 856).writeU64(0); // BtState.transformer_at: not found yet
 
 // /proc/self/maps, or nothing without /proc: Frida's Cloak then answers for the agent's code
 // too, as it did for all code, and no heap lock is found (agentData)
