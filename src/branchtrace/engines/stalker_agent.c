@@ -1242,18 +1242,31 @@ static void release_glib_mutex(int *mutex, int in_child);
    its mutex; GumExecCtx.stalker at 16, .thread_id at 24): used only once
    widen_inline_cache() has checked the object, and only when every context in the list
    reads back as this Stalker's. */
-static void drop_inherited_contexts(uint32_t forking_thread) {
-  uint8_t *stalker = STATE->stalker, **first = NULL, **node;
-  if (stalker == NULL || !take_lock(stalker_mutex()))
-    return;
-  int n = 0, whole = read_safely(stalker + 0xb0, &first, 8);
-  for (node = first; whole && node != NULL; node = (uint8_t **)node[1]) {
+static uint8_t **inherited_contexts(const uint8_t *stalker, int *whole) {
+  uint8_t **first = NULL, **node;
+  int n = 0;
+  *whole = read_safely(stalker + 0xb0, &first, 8);
+  for (node = first; *whole && node != NULL; node = (uint8_t **)node[1]) {
     uint8_t *entry[2], *owner;
-    whole = ++n <= 65536 && read_safely(node, entry, 16) && entry[0] != NULL
-            && read_safely(entry[0] + 16, &owner, 8) && owner == stalker;
+    *whole = ++n <= 65536 && read_safely(node, entry, 16) && entry[0] != NULL
+             && read_safely(entry[0] + 16, &owner, 8) && owner == stalker;
   }
+  return first;
+}
+
+static void drop_inherited_contexts(uint32_t forking_thread) {
+  uint8_t *stalker = STATE->stalker, **node;
+  int whole = 0;
+  if (stalker == NULL)
+    return;
+  /* read back before the mutex is touched: in a child's child, this listener comes after
+     Frida's (docs/fork.md section 20), whose flush may have freed the object */
+  inherited_contexts(stalker, &whole);
+  if (!whole || !take_lock(stalker_mutex()))
+    return;
   uint8_t ***link = (uint8_t ***)(stalker + 0xb0);
-  for (node = whole ? first : NULL; node != NULL; node = (uint8_t **)node[1])
+  for (node = inherited_contexts(stalker, &whole); whole && node != NULL;
+       node = (uint8_t **)node[1])
     if (*(uint64_t *)(node[0] + 24) != forking_thread)
       *link = (uint8_t **)node[1];
     else
