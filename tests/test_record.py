@@ -1991,7 +1991,7 @@ def test_attached_with_follow_fork_threads_running_before_the_attach_fork_and_li
     # (agent+0x31d855) in about 2 attaches of 3: each child, as Frida flushed the script in
     # it, had Gum unfollow the parent's threads from outside -- ptracing the parent's main
     # thread just as Frida's injector needed it to restart the parent's agent
-    # (unfollow_inherited_contexts in stalker_agent.c).  And before fork()s took turns under
+    # (drop_inherited_contexts in stalker_agent.c).  And before fork()s took turns under
     # Frida's hook, two at once killed it in any case (take_fork_turn).
     exe, rounds = programs["threadforks"], 40
     # once more if Frida broke a child itself (a fault inside its recovery from a fork(),
