@@ -372,6 +372,30 @@ def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode, tic
     if mode == "stream":
         assert calls_to(trace, tid, programs["crash"], "tick") == ticks
     assert_counts_are_the_records(trace)
+    assert trace.meta()["frida_faults"] == [] and "Frida's agent" not in res.stderr
+
+
+def test_a_program_killed_inside_fridas_code_is_not_shown_as_its_own_crash(tmp_path, programs):
+    # jitlimit's JIT thread has Stalker compile new functions until the address space the
+    # program left itself runs out: Frida's code then fails in that thread (Gum writes
+    # through the NULL a failed allocation returned; without a limit, the same after some
+    # two million blocks: frida-gum#793).  The summary said "killed by SIGSEGV" and no
+    # more, as for a crash of the program's own whose site was lost.
+    exe = programs["jitlimit"]
+    native = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert (native.returncode, native.stdout) == (0, "4194304 functions run\n")
+    res = record(tmp_path / "d", "--", str(exe), mode="stream")
+    meta = TraceDir.open(tmp_path / "d").meta()
+    (fault,) = meta["frida_faults"]
+    signum = fault["signal"]
+    assert res.returncode == 128 + signum and meta["signal"] == signum, res.stderr
+    assert fault["pid"] == meta["pid"] and fault["tid"] != meta["pid"]
+    name = signal.Signals(signum).name
+    assert (
+        f"the program was killed by {name} at {fault['pc']} in thread {fault['tid']}, an "
+        "instruction of Frida's agent, not of the program's code"
+    ) in res.stderr
+    assert "crashed at" not in res.stderr
 
 
 #: faults.c's modes: the signal, the function that faults, its instruction that does (the

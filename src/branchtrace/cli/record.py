@@ -64,7 +64,7 @@ def _ending(what: str, exit_code: object, signum: object, detached: object) -> s
 
 #: the flags of a process's ending (meta.json's processes) that a warning of the recorder
 #: named already
-_NAMED_ALREADY = ("frozen", "stuck", "no_code_traced", "ended_unreported")
+_NAMED_ALREADY = ("frozen", "stuck", "no_code_traced", "ended_unreported", "died_in_frida")
 
 #: in the recorder a supervising `branchtrace record` runs: that process's pid
 _SUPERVISOR = "BRANCHTRACE_SUPERVISOR"

@@ -881,6 +881,9 @@ class _Recording:
         self.signal_lock_offset: int | None = None
         #: whether every agent found GLib's signal lock, which a fork() takes with them
         self.fork_signal_lock: bool | None = None
+        #: faults in Frida's code that a process was about to die of, as its agent noted
+        #: them (note_frida_fault in stalker_agent.c), each with its pid
+        self.frida_faults: list[dict[str, Any]] = []
         self.main_key: int | None = None  #: the spawned program's process
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
@@ -1390,6 +1393,9 @@ class _Recording:
                     self.fork_signal_lock = (
                         bool(event.get("signalLock")) and self.fork_signal_lock is not False
                     )
+                elif event.get("type") == "frida-fault":
+                    self.frida_faults.append({"pid": pid, **event})
+                    del self.frida_faults[-1]["type"]
                 elif event.get("type") == "late-hook":
                     self._error(_LATE_HOOK[str(event["what"])].format(tid=event["tid"], pid=pid))
                 elif event.get("type") == "thread-untraced" and event.get("inFork"):
@@ -2366,6 +2372,7 @@ class StalkerEngine:
         rec.read_notes()
         result.warnings += rec.errors
         result.warnings += _children_faulted_before_their_code(tracedir, result)
+        result.warnings += _deaths_in_fridas_code(result, rec.frida_faults)
         result.snapshots = list(rec.snapshots)
         untraced: dict[str, int] = {}
         for stats in result.threads.values():
@@ -2393,6 +2400,7 @@ class StalkerEngine:
         meta["traced_from"] = rec.traced_from
         meta["fork_heap_locks"] = rec.fork_heap_locks
         meta["fork_signal_lock"] = rec.fork_signal_lock
+        meta["frida_faults"] = rec.frida_faults
         tracedir.write_meta(meta)
         return result
 
@@ -2794,6 +2802,41 @@ def _children_faulted_before_their_code(tracedir: TraceDir, result: RecordResult
             "program's code: it died while Frida took it over after fork() (a Frida bug, met "
             "in 2 of 32 recordings of a program forking 400 times, 2 ms apart, under "
             "--follow-fork here), unless that signal was sent to it"
+        )
+    return warnings
+
+
+def _deaths_in_fridas_code(result: RecordResult, faults: list[dict[str, Any]]) -> list[str]:
+    """Processes that died of a fault whose instruction was in Frida's agent, as the agent
+    noted just before (note_frida_fault in stalker_agent.c): no FAULT record names a site
+    of the program's then, and the summary alone would read as the program's crash.  A
+    child so named is marked `"died_in_frida"` in `processes`."""
+    warnings = []
+    named: set[int] = set()
+    for fault in faults:
+        pid, signum = int(fault["pid"]), int(fault["signal"])
+        if pid in named:
+            continue  # another of its threads noted the same death
+        if pid == result.pid and result.signal == signum:
+            what = "the program"
+        else:
+            endings = [e for key, e in result.processes.items() if thread_id(key) == pid]
+            if not endings or endings[-1].get("signal") != signum:
+                continue
+            endings[-1]["died_in_frida"] = True
+            what = f"forked child {pid}"
+        named.add(pid)
+        warnings.append(
+            f"{what} was killed by {signal.Signals(signum).name} at {fault['pc']} in thread "
+            f"{fault['tid']}, an instruction of Frida's agent, not of the program's code"
+            + (
+                f" (touching {fault['address']})"
+                if signum in (signal.SIGSEGV, signal.SIGBUS)
+                else ""
+            )
+            + ": Frida failed there, as Stalker does when it finds no memory for a thread's "
+            'code (after some two million blocks of one thread: README, "A limit of '
+            "Stalker's\"), unless the program handed one of Frida's hooks a bad pointer"
         )
     return warnings
 

@@ -2431,6 +2431,48 @@ static int deliver(BtThread *t, int i, int sig, uint8_t *info, uint8_t *uc, uint
   return 1;
 }
 
+void bt_note(const char *line);
+
+static int put_text(char *out, int at, const char *text) {
+  while (*text != 0)
+    out[at++] = *text++;
+  return at;
+}
+
+static int put_hex_string(char *out, int at, uint64_t v) {
+  at = put_text(out, at, "\"0x");
+  int shift = 60;
+  while (shift > 0 && (v >> shift) == 0)
+    shift -= 4;
+  for (; shift >= 0; shift -= 4)
+    out[at++] = "0123456789abcdef"[(v >> shift) & 15];
+  return put_text(out, at, "\"");
+}
+
+/* {"type": "frida-fault", "tid": N, "signal": S, "pc": "0x..", "address": "0x.."}: the
+   process is about to die of a fault (or a breakpoint: GLib's g_error()) whose instruction
+   is in Frida's agent, where no FAULT record names one of the program's -- Frida's handler
+   gave the default action back.  The recorder says so, rather than show the program's
+   crash with no site.  Stalker running out of room for a thread's code is one (README, "A
+   limit of Stalker's"). */
+static void note_frida_fault(int sig, const uint8_t *info, const uint8_t *uc) {
+  uint64_t pc = *(const uint64_t *)(uc + UC_RIP);
+  const BtCodeRange *range = code_range(pc);
+  int32_t code = *(const int32_t *)(info + 8);
+  if (!(raised_again(sig, code) || (sig == 5 /* SIGTRAP */ && code > 0)) || range == NULL
+      || !range->fridas)
+    return;
+  char line[192];
+  int at = put_text(line, 0, "{\"type\": \"frida-fault\", \"tid\": ");
+  at = put_decimal(line, at, (uint32_t)syscall(186 /* gettid */));
+  at = put_decimal(line, put_text(line, at, ", \"signal\": "), (uint32_t)sig);
+  at = put_hex_string(line, put_text(line, at, ", \"pc\": "), pc);
+  uint64_t address = sig == 11 || sig == 7 ? *(const uint64_t *)(info + 16) : 0;
+  at = put_hex_string(line, put_text(line, at, ", \"address\": "), address);
+  line[put_text(line, at, "}\n")] = 0;
+  bt_note(line);
+}
+
 /* The handlers after on_fault() see the program's instruction in the signal's context,
    not Stalker's copy of it, which no unwinder or crash reporter knows.  A process that
    dies of the signal dies there too (a core dump shows the program's pc), and one whose
@@ -2485,6 +2527,8 @@ static void on_fault(int sig, void *info, void *uc) {
      be lost (a breakpoint, a signal sent, which the program survived) or raised later
      (abort() would go on and raise its SIGABRT again), so it is raised again now, blocked
      until the handler returns: it is delivered where the thread was. */
+  if (ip == 0)
+    note_frida_fault(sig, info, uc);
   if (!raised_again(sig, *(const int32_t *)((const uint8_t *)info + 8))) {
     uint64_t mask = 1ULL << (sig - 1);
     syscall(14 /* rt_sigprocmask */, 0 /* SIG_BLOCK */, &mask, NULL, 8);
