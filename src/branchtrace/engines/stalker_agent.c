@@ -1229,8 +1229,8 @@ static void release_glib_mutex(int *mutex, int in_child);
    forked left its context half changed in the child's copy (Gum's hash table of its blocks
    grown, the old table not yet let go of): freeing it there corrupted Frida's heap.  A
    stuck child's JavaScript thread had faulted inside dlmalloc, freeing under the script's
-   flush (a free chunk all zeros), and spun for good in its fault handler on the heap lock
-   it held itself; others died of that SIGSEGV (docs/fork.md section 23).  Frida's flush
+   flush (a free chunk whose size and links read 0), and spun for good in Frida's fault
+   handler on the heap lock it held itself; others died of that SIGSEGV (docs/fork.md section 23).  Frida's flush
    also waited on those contexts' GObject locks held by the parent's threads (section 22),
    and Gum's stop reached for their threads by id, through a helper that ptraces -- in the
    child, ids of the PARENT's threads: the parent died in Frida's recovery (section 16).
@@ -2593,16 +2593,12 @@ void bt_note(const char *line) {
 }
 
 /* {"type": "late-hook", "tid": N, "what": WHAT} for await_hook(). */
-static void note_late_hook(const char *what) {
-  char line[128] = "{\"type\": \"late-hook\", \"tid\": ";
-  int at = put_decimal(line, (int)strlen(line), (uint32_t)syscall(186 /* gettid */));
-  for (const char *p = ", \"what\": \""; *p != 0; p++)
-    line[at++] = *p;
-  for (; *what != 0 && at < 120; what++) /* "refollow", "handler" or "restorer" */
-    line[at++] = *what;
-  for (const char *p = "\"}\n"; *p != 0; p++)
-    line[at++] = *p;
-  line[at] = 0;
+static void note_late_hook(const char *what) { /* "refollow", "handler" or "restorer" */
+  char line[128];
+  int at = put_text(line, 0, "{\"type\": \"late-hook\", \"tid\": ");
+  at = put_decimal(line, at, (uint32_t)syscall(186 /* gettid */));
+  at = put_text(line, put_text(line, at, ", \"what\": \""), what);
+  line[put_text(line, at, "\"}\n")] = 0;
   bt_note(line);
 }
 
