@@ -1459,7 +1459,10 @@ def test_a_child_killed_by_a_fault_before_any_code_of_its_own_ran_is_not_blamed_
     # with a trace of one TIME record, while Frida took it over after fork()
     from branchtrace.cli.info import _ending
     from branchtrace.engines.base import RecordResult, ThreadStats
-    from branchtrace.engines.stalker import _children_faulted_before_their_code
+    from branchtrace.engines.stalker import (
+        _children_faulted_before_their_code,
+        _deaths_in_fridas_code,
+    )
     from branchtrace.store import Flags, RingWriter
 
     tracedir = TraceDir.create(tmp_path / "d")
@@ -1481,15 +1484,36 @@ def test_a_child_killed_by_a_fault_before_any_code_of_its_own_ran_is_not_blamed_
             exited: {"ppid": parent, "exit_code": 0, "signal": None},
         },
     )
-    (warning,) = _children_faulted_before_their_code(tracedir, result)
-    assert warning.startswith(f"forked child {segv_before} was killed by SIGSEGV before one block")
+    # its agent noted the fault, in Frida's code (note_frida_fault in stalker_agent.c)
+    noted = {
+        "pid": segv_before,
+        "tid": segv_before,
+        "signal": 11,
+        "pc": "0x7f00",
+        "address": "0x18",
+    }
+    (warning,) = _children_faulted_before_their_code(tracedir, result, [noted])
+    assert warning.startswith(
+        f"forked child {segv_before} was killed by SIGSEGV at 0x7f00 (an instruction of "
+        f"Frida's agent, in thread {segv_before}, touching 0x18) before one block"
+    )
     assert "so not by a fault in the program's code" in warning
+    assert _deaths_in_fridas_code(result, [noted]) == []  # named once
+    assert _ending(result.processes[segv_after]) == "killed by SIGSEGV"  # its code faulted
+    # one whose code ran, killed in Frida's code later on (a Stalker that found no memory)
+    later = {"pid": segv_after, "tid": 105, "signal": 11, "pc": "0x7f08", "address": "0x0"}
+    (named_later,) = _deaths_in_fridas_code(result, [noted, later])
+    assert named_later.startswith(
+        f"forked child {segv_after} was killed by SIGSEGV at 0x7f08 in thread 105, an "
+        "instruction of Frida's agent, not of the program's code (touching 0x0)"
+    )
+    assert result.processes[segv_after]["died_in_frida"] is True
+    assert _ending(result.processes[segv_after]) == "killed by SIGSEGV in Frida's code"
     named = [pid for pid, ending in result.processes.items() if ending.get("no_code_traced")]
     assert named == [segv_before]
     assert _ending(result.processes[segv_before]) == (
         "killed by SIGSEGV in Frida's takeover after fork()"
     )
-    assert _ending(result.processes[segv_after]) == "killed by SIGSEGV"
 
 
 def test_a_thread_id_reused_in_a_recording_never_replaces_the_earlier_threads_trace(tmp_path):

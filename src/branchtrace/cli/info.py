@@ -137,6 +137,8 @@ def _ending(meta: dict[str, Any]) -> str:
         return "stuck in Frida's fork() recovery, killed"
     if meta.get("no_code_traced"):  # a forked child that faulted while Frida took it over
         return f"killed by {signal.Signals(meta['signal']).name} in Frida's takeover after fork()"
+    if meta.get("died_in_frida"):  # a forked child killed at an instruction of Frida's agent
+        return f"killed by {signal.Signals(meta['signal']).name} in Frida's code"
     if meta.get("ended_unreported"):  # a forked child that ended before Frida reported it
         return f"{_exit_or_signal(meta)} before Frida reported it, not traced"
     if meta.get("untraced"):  # a forked child Frida could not trace

@@ -2371,7 +2371,7 @@ class StalkerEngine:
                     tracedir.remove()
         rec.read_notes()
         result.warnings += rec.errors
-        result.warnings += _children_faulted_before_their_code(tracedir, result)
+        result.warnings += _children_faulted_before_their_code(tracedir, result, rec.frida_faults)
         result.warnings += _deaths_in_fridas_code(result, rec.frida_faults)
         result.snapshots = list(rec.snapshots)
         untraced: dict[str, int] = {}
@@ -2778,11 +2778,15 @@ _FAULTS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.S
 _FEW_RECORDS = 64
 
 
-def _children_faulted_before_their_code(tracedir: TraceDir, result: RecordResult) -> list[str]:
+def _children_faulted_before_their_code(
+    tracedir: TraceDir, result: RecordResult, frida_faults: list[dict[str, Any]]
+) -> list[str]:
     """Forked children that died of a fault signal before one block of their own code ran
     traced.  Their trace starts where fork() returns, and a block is recorded as it starts,
     so no code of theirs faulted: Frida's did, taking them over.  Marked `"no_code_traced"`
-    in `processes` and named, so that the crash is not taken for the program's."""
+    in `processes` and named, so that the crash is not taken for the program's; where the
+    child's agent noted the fault (`frida_faults`: _deaths_in_fridas_code), with its
+    instruction."""
     warnings = []
     for pid, ending in result.processes.items():
         signum = ending.get("signal")
@@ -2796,8 +2800,15 @@ def _children_faulted_before_their_code(tracedir: TraceDir, result: RecordResult
         ):
             continue
         ending["no_code_traced"] = True
+        noted = [f for f in frida_faults if f["pid"] == thread_id(pid) and f["signal"] == signum]
+        at = (
+            f" at {noted[0]['pc']} (an instruction of Frida's agent, in thread "
+            f"{noted[0]['tid']}, touching {noted[0]['address']})"
+            if noted
+            else ""
+        )
         warnings.append(
-            f"forked child {pid} was killed by {signal.Signals(signum).name} before one "
+            f"forked child {pid} was killed by {signal.Signals(signum).name}{at} before one "
             "block of its own code ran (its trace holds none), so not by a fault in the "
             "program's code: it died while Frida took it over after fork() (a Frida bug, met "
             "in 2 of 32 recordings of a program forking 400 times, 2 ms apart, under "
@@ -2823,6 +2834,8 @@ def _deaths_in_fridas_code(result: RecordResult, faults: list[dict[str, Any]]) -
             endings = [e for key, e in result.processes.items() if thread_id(key) == pid]
             if not endings or endings[-1].get("signal") != signum:
                 continue
+            if endings[-1].get("no_code_traced"):
+                continue  # named with its instruction (_children_faulted_before_their_code)
             endings[-1]["died_in_frida"] = True
             what = f"forked child {pid}"
         named.add(pid)
