@@ -376,15 +376,15 @@ def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode, tic
 
 
 def test_a_program_killed_inside_fridas_code_is_not_shown_as_its_own_crash(tmp_path, programs):
-    # jitlimit's JIT thread has Stalker compile new functions until the address space the
-    # program left itself runs out: Frida's code then fails in that thread (Gum writes
-    # through the NULL a failed allocation returned; without a limit, the same after some
-    # two million blocks: frida-gum#793).  The summary said "killed by SIGSEGV" and no
+    # `jitfork 0 256`: its JIT thread has Stalker compile new functions until the address
+    # space the program left itself runs out: Frida's code then fails in that thread (Gum
+    # writes through the NULL a failed allocation returned; without a limit, the same after
+    # some two million blocks: frida-gum#793).  The summary said "killed by SIGSEGV" and no
     # more, as for a crash of the program's own whose site was lost.
-    exe = programs["jitlimit"]
-    native = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert (native.returncode, native.stdout) == (0, "4194304 functions run\n")
-    res = record(tmp_path / "d", "--", str(exe), mode="stream")
+    exe, args = programs["jitfork"], ["0", "256"]
+    native = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60)
+    assert (native.returncode, native.stdout) == (0, "0 of 0 children ok, 4194304 functions run\n")
+    res = record(tmp_path / "d", "--", str(exe), *args, mode="stream")
     meta = TraceDir.open(tmp_path / "d").meta()
     (fault,) = meta["frida_faults"]
     signum = fault["signal"]

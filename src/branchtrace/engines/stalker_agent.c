@@ -1230,10 +1230,11 @@ static void release_glib_mutex(int *mutex, int in_child);
    grown, the old table not yet let go of): freeing it there corrupted Frida's heap.  A
    stuck child's JavaScript thread had faulted inside dlmalloc, freeing under the script's
    flush (a free chunk whose size and links read 0), and spun for good in Frida's fault
-   handler on the heap lock it held itself; others died of that SIGSEGV (docs/fork.md section 23).  Frida's flush
-   also waited on those contexts' GObject locks held by the parent's threads (section 22),
-   and Gum's stop reached for their threads by id, through a helper that ptraces -- in the
-   child, ids of the PARENT's threads: the parent died in Frida's recovery (section 16).
+   handler on the heap lock it held itself; others died of that SIGSEGV (docs/fork.md
+   section 23).  Frida's flush also waited on those contexts' GObject locks held by the
+   parent's threads (section 22), and Gum's stop reached for their threads by id, through
+   a helper that ptraces -- in the child, ids of the PARENT's threads: the parent died in
+   Frida's recovery (section 16).
    So the child takes every context but the forking thread's out of Stalker's list: Gum
    never sees them, and the child keeps their memory, a copy of its parent's, untouched.
    The forking thread's own is left in: the thread runs on in it in the child until
