@@ -1319,6 +1319,43 @@ def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs
     ), res.stderr
 
 
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_forked_child_keeps_none_of_its_parents_rings_mapped(tmp_path, programs, follow):
+    # it kept every one (its parent's two threads' here), shared: the files stayed held
+    # after the directory was deleted, and a later attach to the child was refused
+    options = ["--follow-fork"] if follow else []
+    res = record(tmp_path / "d", *options, "--", str(programs["fork"]), "rings")
+    assert res.returncode == 0, res.stderr
+    said = res.stdout.splitlines()
+    assert re.fullmatch(r"child \d+: 0 rings", said[0]) and said[1:] == ["parent 3 child-status 0"]
+    trace = TraceDir.open(tmp_path / "d")
+    assert len(trace.threads()) == (3 if follow else 2)
+
+
+def test_a_child_left_running_by_a_recording_can_be_recorded_by_attaching(tmp_path, programs):
+    # the recording ends with the parent; the child it forked runs on (untraced), and the
+    # refusal said it "still holds Frida's agent from a recording ... thread N (its
+    # parent's) has not run since"
+    res = record(tmp_path / "d", "--", str(programs["fork"]), "rings", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    child = int(re.fullmatch(r"child (\d+): 0 rings\n", res.stdout)[1])
+    try:
+        attached = record(tmp_path / "c", "-p", str(child), "--duration", "0.5", timeout=60)
+        assert attached.returncode == 0, attached.stderr
+        assert f"detached from pid {child}; it keeps running" in attached.stderr
+        (tmp_path / "go").touch()
+        done = tmp_path / "done"
+        for _ in range(3000):
+            if done.exists() and done.read_text().endswith("\n"):
+                break
+            time.sleep(0.01)
+        assert done.read_text() == "10\n"
+        assert TraceDir.open(tmp_path / "c").threads() == [child]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("how", ["got", "pointer"])
 def test_a_program_that_forks_keeps_its_size(tmp_path, programs, how):
     # "pointer": the thread leaves Stalker for fork() and is followed anew after it; what

@@ -1,13 +1,78 @@
-/* The parent calls f 3 times after fork, the child 5 times. */
+/* The parent calls f 3 times after fork, the child 5 times.
+   `fork rings`: a second thread of the parent waits on a pipe as the program forks; the
+   child prints "child PID: N rings" (N: the *.bts files it has mapped that are not named
+   for its own thread, such as its parent's threads' rings).
+   `fork rings DIR`: the same, then the child closes its output, so that a recording ends
+   with its parent, and waits (up to 60 s) for DIR/go before it calls f; it writes DIR/done
+   at its end. */
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 volatile long sink;
 __attribute__((noinline)) void f(int i) { sink += i; }
 
-int main(void) {
+static int pipe_fds[2];
+
+static void *waiter(void *arg) {
+  char c;
+  return read(pipe_fds[0], &c, 1) == 1 ? arg : NULL;
+}
+
+static int rings_of_others(void) {
+  char line[4096], own[32];
+  snprintf(own, sizeof own, "/T%d.bts", getpid());
+  FILE *maps = fopen("/proc/self/maps", "r");
+  int n = 0;
+  while (maps != NULL && fgets(line, sizeof line, maps))
+    if (strstr(line, ".bts") && !strstr(line, own))
+      n++;
+  if (maps != NULL)
+    fclose(maps);
+  return n;
+}
+
+static void wait_for(const char *dir) {
+  char go[4096], done[4096];
+  struct stat st;
+  snprintf(go, sizeof go, "%s/go", dir);
+  snprintf(done, sizeof done, "%s/done", dir);
+  for (int i = 0; i < 6000 && stat(go, &st) != 0; i++)
+    usleep(10000);
+  for (int i = 0; i < 5; i++) f(i);
+  FILE *out = fopen(done, "w");
+  if (out != NULL)
+    fprintf(out, "%ld\n", sink);
+  if (out != NULL)
+    fclose(out);
+}
+
+int main(int argc, char **argv) {
+  int rings = argc > 1 && strcmp(argv[1], "rings") == 0;
+  pthread_t thread;
+  if (rings && (pipe(pipe_fds) != 0 || pthread_create(&thread, NULL, waiter, NULL) != 0))
+    return 2;
   pid_t child = fork();
+  if (child == 0 && rings) {
+    printf("child %d: %d rings\n", getpid(), rings_of_others());
+    fflush(stdout);
+    if (argc > 2) {
+      fclose(stdout);
+      fclose(stderr);
+      wait_for(argv[2]);
+    }
+    return 0;
+  }
+  if (rings) {
+    if (write(pipe_fds[1], "x", 1) != 1 || pthread_join(thread, NULL) != 0)
+      return 2;
+    if (argc > 2)
+      return 0;
+  }
   int n = child == 0 ? 5 : 3;
   for (int i = 0; i < n; i++) f(i);
   if (child == 0) {

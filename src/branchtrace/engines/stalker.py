@@ -262,18 +262,23 @@ def _traced_by_branchtrace(pid: int) -> tuple[str, list[int]] | None:
         {p for line in maps.splitlines() if (p := line.split(maxsplit=5)[-1]).endswith(".bts")}
     )
     rings = [p for p in rings if os.path.basename(p).startswith("T")]
-    if not rings:
-        return None
     asleep = []
+    own = set(_tasks(pid))
+    held = []
     for path in rings:
         try:
             ring = Ring.open(path)
         except (OSError, StoreError):
-            return os.path.dirname(rings[0]), []
+            return os.path.dirname(path), []
+        if ring.tid not in own:
+            continue
+        held.append(path)
         if ring.writer_state != WriterState.CLOSED:
-            return os.path.dirname(rings[0]), []
+            return os.path.dirname(path), []
         asleep.append(ring.tid)
-    return os.path.dirname(rings[0]), asleep
+    if not held:
+        return None
+    return os.path.dirname(held[0]), asleep
 
 
 def _check_attachable(pid: int) -> None:

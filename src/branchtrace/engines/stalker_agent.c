@@ -965,6 +965,108 @@ static void disarm_inherited_altstack(void) {
     munmap(inherited - BT_GUARD, BT_GUARD + BT_ALTSTACK_SIZE);
 }
 
+/* In a forked child: the parent's rings it inherited, shared mappings of the trace
+   directory's files, become private memory in place.  The child never writes them
+   (bt_thread_forget), but kept them mapped for its whole life: every ring, the one of a
+   thread that started as the program forked (in no slot yet) included, so the files stayed
+   held after the directory was deleted, and a later `record -p` of the child was refused
+   as if the child were traced.  Private memory rather than a hole: code compiled for the
+   forking thread may still read a ring's header until Frida's flush.  A ring named for
+   the child's own thread is left alone (the script a child's child is given may be in
+   before this runs).  The ranges are collected first: /proc/self/maps changing while it is
+   read could skip a line. */
+#define BT_RINGS_AT_ONCE 64
+
+static uint64_t parse_hex(const char **p) {
+  uint64_t v = 0;
+  for (;; (*p)++) {
+    char c = **p;
+    int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (digit < 0)
+      return v;
+    v = v << 4 | (uint64_t)digit;
+  }
+}
+
+static int ends_with(const char *from, const char *end, const char *suffix) {
+  long n = 0;
+  while (suffix[n] != '\0')
+    n++;
+  if (end - from < n)
+    return 0;
+  for (long i = 0; i < n; i++)
+    if (end[i - n] != suffix[i])
+      return 0;
+  return 1;
+}
+
+/* Whether `line` (one line of /proc/self/maps, NUL-ended) maps a ring of another thread
+   shared; its range in `range`. */
+static int foreign_ring(const char *line, uint32_t own_tid, uint64_t *range) {
+  const char *p = line, *name = NULL, *end;
+  range[0] = parse_hex(&p);
+  if (*p++ != '-')
+    return 0;
+  range[1] = parse_hex(&p);
+  if (p[0] != ' ' || p[4] != 's') /* "rw-s": a shared mapping */
+    return 0;
+  for (end = p; *end != '\0'; end++)
+    if (*end == '/')
+      name = end + 1;
+  if (name == NULL || name[0] != 'T')
+    return 0;
+  if (ends_with(name, end, " (deleted)"))
+    end -= 10;
+  if (!ends_with(name, end, ".bts"))
+    return 0;
+  uint64_t tid = 0;
+  for (p = name + 1; *p >= '0' && *p <= '9'; p++)
+    tid = tid * 10 + (uint64_t)(*p - '0');
+  return tid != own_tid;
+}
+
+/* Up to BT_RINGS_AT_ONCE ranges into `found`, read into `buf` (on the stack: a CModule's
+   static memory is not writable). */
+static int find_inherited_rings(uint64_t (*found)[2], char *buf, long size) {
+  uint32_t own_tid = (uint32_t)getpid();
+  long fd = syscall(2 /* open */, "/proc/self/maps", 0 /* O_RDONLY */);
+  if (fd < 0)
+    return 0;
+  int n_found = 0;
+  long kept = 0, n;
+  while (n_found < BT_RINGS_AT_ONCE &&
+         (n = syscall(0 /* read */, fd, buf + kept, size - kept)) > 0) {
+    long len = kept + n, from = 0;
+    for (long i = 0; i < len; i++) {
+      if (buf[i] != '\n')
+        continue;
+      buf[i] = '\0';
+      if (n_found < BT_RINGS_AT_ONCE && foreign_ring(buf + from, own_tid, found[n_found]))
+        n_found++;
+      from = i + 1;
+    }
+    kept = len - from; /* a line cut off by the read: to the front */
+    if (kept == size)
+      kept = 0; /* a line longer than the buffer: no ring's */
+    for (long i = 0; i < kept; i++)
+      buf[i] = buf[from + i];
+  }
+  syscall(3 /* close */, fd);
+  return n_found;
+}
+
+static void drop_inherited_rings(void) {
+  char buf[4096];
+  uint64_t found[BT_RINGS_AT_ONCE][2];
+  int n;
+  do {
+    n = find_inherited_rings(found, buf, sizeof buf - 1);
+    for (int i = 0; i < n; i++)
+      mmap((void *)found[i][0], found[i][1] - found[i][0], 3 /* PROT_READ|WRITE */,
+           0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0);
+  } while (n == BT_RINGS_AT_ONCE);
+}
+
 /* fork(): Frida Stalker cannot take a thread through fork() (the child dies at once), so
    the host's before-fork callback writes a GAP record and unfollows the thread, fork()
    runs natively, and afterwards the parent follows the thread again while the child lets
@@ -1290,6 +1392,7 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     bt_release_faults(); /* Frida frees this code in the child */
     disarm_inherited_altstack();
+    drop_inherited_rings();
     drop_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
     return;
   }
