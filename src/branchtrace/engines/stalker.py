@@ -958,6 +958,7 @@ class _Recording:
             "forkStub": forked_from is None,
             "initOffset": init,
             "park": park,
+            "followFork": self.options.follow_fork,
             "triggers": [t.__dict__ for t in self.options.triggers],
             "snapshots": self.options.snapshots,
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{agent.key}"),

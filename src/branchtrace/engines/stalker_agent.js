@@ -2,7 +2,7 @@
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
 // PARAMS is prepended by the host: {cSource, mainRing, spawn, forkStub, initOffset, park,
-// triggers, snapshots, notesPath, spared}.
+// followFork, triggers, snapshots, notesPath, spared, signalLockOffset}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Where this script's hooks are (leaveStalker).
@@ -271,7 +271,7 @@ const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['
 const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const holdForksAtEntry = new NativeFunction(cm.bt_hold_forks_at_entry, 'int', ['int']);
 const forkTurns = new NativeFunction(cm.bt_fork_turns, 'void', ['int']);
-forkTurns(0); // not yet: Frida's fork() hook is not in (forkDoneLast)
+forkTurns(0); // not yet (see takeTurns)
 // A new thread holds its fork turn (bt_thread_turn) while it runs this script: taken
 // without the script's lock (the default, cooperative, lets go of it while the call waits),
 // given back with it held, so a fork() that takes the turn next waits for the lock too
@@ -743,6 +743,21 @@ new NativeFunction(cm.bt_note_set_handlers, 'void', [])();
 attach(libc('fork'), { onEnter: cm.bt_on_fork_enter, onLeave: cm.bt_on_fork_leave });
 let forkDone = attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
 routeForksThroughStub();
+// Thread starts and fork()s take turns (bt_thread_turn, bt_on_pthread_create in
+// stalker_agent.c): with --follow-fork once Frida's fork() hook is in (forkDoneLast), else
+// from here.  Without them, a thread that started as the program forked waited for good
+// for the host's answer with its ring (askForRing: the answer never came), and the program
+// for the thread: 4 of 40 recordings of `fork rings` hung, 0 of 50 with them.  The hook on
+// pthread_create() only with the turns on: each hook costs every thread a stop by Gum at
+// the end (letGoOfAll).
+function takeTurns(how) {
+  attach(libc('pthread_create'),
+    { onEnter: cm.bt_on_pthread_create, onLeave: cm.bt_on_pthread_create_leave });
+  forkTurns(how);
+}
+if (!PARAMS.followFork) {
+  takeTurns(1);
+}
 
 // Frida's heap locks, which a fork() through the stub takes last, in _Fork() (glibc 2.34 and
 // later), and lets go of on both sides (bt_on_fork_syscall in stalker_agent.c), found among
@@ -1008,13 +1023,9 @@ rpc.exports = {
     const last = attach(libc('fork'), { onLeave: cm.bt_on_fork_done });
     forkDone.detach();
     forkDone = last;
-    // only with the turns on (--follow-fork): each hook costs every thread a stop by Gum at
-    // the end (letGoOfAll)
-    attach(libc('pthread_create'),
-      { onEnter: cm.bt_on_pthread_create, onLeave: cm.bt_on_pthread_create_leave });
     // A forked child's script: its fork() listeners come after Frida's hook, so its turns
     // are taken ahead of it, in its copy of the parent's fork stub (bt_fork_first)
-    forkTurns(PARAMS.forkStub ? 1 : 2 /* BT_TURNS_AHEAD_ONLY */);
+    takeTurns(PARAMS.forkStub ? 1 : 2 /* BT_TURNS_AHEAD_ONLY */);
     if (parentsForkSlots !== null) {
       markSlot.writePointer(cm.bt_fork_first);
     }
