@@ -4,7 +4,10 @@
    for its own thread, such as its parent's threads' rings).
    `fork rings DIR`: the same, then the child closes its output, so that a recording ends
    with its parent, and waits (up to 60 s) for DIR/go before it calls f; it writes DIR/done
-   at its end. */
+   at its end.
+   `fork starts ROUNDS`: ROUNDS times, starts a thread and forks at once (the thread waits on
+   a pipe; the child exits 0 at once), then lets the thread end and waits for both; prints
+   "ROUNDS rounds, OK children ok". */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,7 +54,30 @@ static void wait_for(const char *dir) {
     fclose(out);
 }
 
+static int starts(int rounds) {
+  int ok = 0;
+  for (int i = 0; i < rounds; i++) {
+    pthread_t thread;
+    if (pipe(pipe_fds) != 0 || pthread_create(&thread, NULL, waiter, NULL) != 0)
+      return 2;
+    pid_t child = fork();
+    if (child == 0)
+      _exit(0);
+    int status;
+    if (write(pipe_fds[1], "x", 1) != 1 || pthread_join(thread, NULL) != 0 ||
+        waitpid(child, &status, 0) != child)
+      return 2;
+    ok += WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    close(pipe_fds[0]);
+    close(pipe_fds[1]);
+  }
+  printf("%d rounds, %d children ok\n", rounds, ok);
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc > 2 && strcmp(argv[1], "starts") == 0)
+    return starts(atoi(argv[2]));
   int rings = argc > 1 && strcmp(argv[1], "rings") == 0;
   pthread_t thread;
   if (rings && (pipe(pipe_fds) != 0 || pthread_create(&thread, NULL, waiter, NULL) != 0))

@@ -1580,6 +1580,13 @@ static int *stalker_mutex(void) {
   return STATE->stalker == NULL ? NULL : (int *)(STATE->stalker + 0xa8);
 }
 
+/* A thread that waits on a GLib mutex while a fork() holds it is woken as g_mutex_unlock()
+   would wake it -- but by both kinds of wake: Frida's GLib waits with FUTEX_WAIT (the
+   shared kind, op 0, as /proc/PID/syscall shows), and the kernel keys a shared futex apart
+   from a private one, so the FUTEX_WAKE_PRIVATE this sent before woke no one.  Frida's
+   thread waiting on GLib's signal lock slept for good after the fork() let go of it (the
+   lock read 0), every message of the agent's with it: the next thread that started waited
+   for good for its ring, and the program with it (`fork starts 20` hung 10 of 10). */
 static void release_glib_mutex(int *mutex, int in_child) {
   if (in_child) {
     *(volatile int *)mutex = 0; /* the child has no other thread to wake */
@@ -1587,8 +1594,10 @@ static void release_glib_mutex(int *mutex, int in_child) {
   }
   int before;
   __asm__ __volatile__("xchgl %0, (%1)" : "=r"(before) : "r"(mutex), "0"(0) : "memory");
-  if (before == 2)
-    raw_syscall3(202 /* futex */, (long)mutex, 1 | 128 /* FUTEX_WAKE_PRIVATE */, 1);
+  if (before == 2) {
+    raw_syscall3(202 /* futex */, (long)mutex, 1 /* FUTEX_WAKE */, 1);
+    raw_syscall3(202, (long)mutex, 1 | 128 /* FUTEX_WAKE_PRIVATE */, 1);
+  }
 }
 
 static void release_glib_locks(int held, int in_child) {
