@@ -2386,9 +2386,10 @@ class StalkerEngine:
                 untraced[reason] = untraced.get(reason, 0) + n
         if untraced.get("signal"):
             left = untraced.get("left_handler", 0)
+            runs = untraced["signal"]
             result.warnings.append(
-                f"signal handlers ran {untraced['signal']} times untraced (Stalker does not "
-                "follow them); GAP records mark where"
+                f"signal handlers ran {'once' if runs == 1 else f'{runs} times'} untraced "
+                "(Stalker does not follow them); GAP records mark where"
                 + (
                     f"; {left} left elsewhere (siglongjmp, or a pc moved), traced again from there"
                     if left
