@@ -2588,6 +2588,43 @@ def test_an_already_traced_process_is_refused(tmp_path, spin):
     finished(spin)
 
 
+def test_only_rings_of_its_own_threads_make_a_process_look_traced(tmp_path):
+    # what a forked child keeps of its parent's rings (a child's child still may) made a
+    # child that a recording had left running look traced, "thread N has not run since" for
+    # a thread of its parent's.  A process that maps Frida's agent (by name) and rings:
+    mapper = (
+        "import mmap, sys\n"
+        "kept = []\n"
+        "for line in sys.stdin:\n"
+        "    with open(line.strip(), 'r+b') as f:\n"
+        "        kept.append(mmap.mmap(f.fileno(), 4096))\n"
+        "    print('mapped', flush=True)\n"
+    )
+    agent = tmp_path / "frida-agent-64.so"
+    agent.write_bytes(b"\0" * 4096)
+    parents = tmp_path / f"T{os.getpid()}.bts"  # a thread of another process's
+    Ring.create(parents, 4096, tid=os.getpid()).close()
+    with subprocess.Popen(
+        [sys.executable, "-c", mapper], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as proc:
+
+        def have_mapped(path: Path) -> None:
+            proc.stdin.write(f"{path}\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == "mapped\n"
+
+        try:
+            have_mapped(agent)
+            have_mapped(parents)
+            assert stalker._traced_by_branchtrace(proc.pid) is None
+            own = tmp_path / f"T{proc.pid}.bts"
+            Ring.create(own, 4096, tid=proc.pid).close()
+            have_mapped(own)
+            assert stalker._traced_by_branchtrace(proc.pid) == (str(tmp_path), [])
+        finally:
+            proc.kill()
+
+
 def test_exec_is_reported_and_the_status_is_the_new_images(tmp_path):
     res = record(tmp_path / "d", "--", "/bin/sh", "-c", 'exec /bin/sh -c "echo replaced; exit 3"')
     assert res.returncode == 3 and res.stdout.strip() == "replaced"

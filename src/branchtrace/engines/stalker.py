@@ -56,6 +56,7 @@ from ..store.tracedir import (
     thread_id,
     thread_key,
     thread_label,
+    thread_of_file,
 )
 from .asleep import let_go
 from .base import (
@@ -248,37 +249,39 @@ def script_command(argv: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _traced_by_branchtrace(pid: int) -> tuple[str, list[int]] | None:
-    """The trace directory whose rings the process has mapped, and the threads of those
-    rings if that recording has ended (every ring closed: threads asleep since, which keep
-    Frida's agent until they wake); None if no branchtrace has rings there, or if Frida's
-    agent is gone (rings left behind, which nothing writes: _rings_left_behind)."""
+    """The trace directory whose rings of its own threads the process has mapped, and
+    those threads if that recording has ended (every ring closed: threads asleep since,
+    which keep Frida's agent until they wake); None if no branchtrace has rings there, or
+    if Frida's agent is gone (rings left behind, which nothing writes: _rings_left_behind).
+    Rings of other threads are what a forked child still maps of its parent's (a child
+    maps private memory over them as it starts, a child's child may not): they made a
+    child that a recording had left running look traced."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return None
     if "frida-agent" not in maps:
         return None
-    rings = sorted(
-        {p for line in maps.splitlines() if (p := line.split(maxsplit=5)[-1]).endswith(".bts")}
-    )
-    rings = [p for p in rings if os.path.basename(p).startswith("T")]
-    asleep = []
     own = set(_tasks(pid))
-    held = []
+    rings = []
+    for path in sorted(
+        {p for line in maps.splitlines() if (p := line.split(maxsplit=5)[-1]).endswith(".bts")}
+    ):
+        with contextlib.suppress(ValueError):
+            if thread_id(thread_of_file(os.path.basename(path))) in own:
+                rings.append(path)
+    if not rings:
+        return None
+    asleep = []
     for path in rings:
         try:
             ring = Ring.open(path)
         except (OSError, StoreError):
-            return os.path.dirname(path), []
-        if ring.tid not in own:
-            continue
-        held.append(path)
+            return os.path.dirname(rings[0]), []
         if ring.writer_state != WriterState.CLOSED:
-            return os.path.dirname(path), []
+            return os.path.dirname(rings[0]), []
         asleep.append(ring.tid)
-    if not held:
-        return None
-    return os.path.dirname(held[0]), asleep
+    return os.path.dirname(rings[0]), asleep
 
 
 def _check_attachable(pid: int) -> None:
