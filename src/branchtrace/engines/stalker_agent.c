@@ -988,6 +988,13 @@ static uint64_t parse_hex(const char **p) {
   }
 }
 
+static uint64_t parse_decimal(const char *p) {
+  uint64_t v = 0;
+  for (; *p >= '0' && *p <= '9'; p++)
+    v = v * 10 + (uint64_t)(*p - '0');
+  return v;
+}
+
 static int ends_with(const char *from, const char *end, const char *suffix) {
   long n = 0;
   while (suffix[n] != '\0')
@@ -1019,10 +1026,7 @@ static int foreign_ring(const char *line, uint32_t own_tid, uint64_t *range) {
     end -= 10;
   if (!ends_with(name, end, ".bts"))
     return 0;
-  uint64_t tid = 0;
-  for (p = name + 1; *p >= '0' && *p <= '9'; p++)
-    tid = tid * 10 + (uint64_t)(*p - '0');
-  return tid != own_tid;
+  return parse_decimal(name + 1) != own_tid;
 }
 
 /* Up to BT_RINGS_AT_ONCE ranges into `found`, read into `buf` (on the stack: a CModule's
@@ -1954,10 +1958,7 @@ static int still_fridas(const BtSpared *f) {
     const char *p = text + i + j;
     while (*p == ' ' || *p == '\t')
       p++;
-    uint64_t id = 0;
-    for (; *p >= '0' && *p <= '9'; p++)
-      id = id * 10 + (uint64_t)(*p - '0');
-    return id == f->id;
+    return parse_decimal(p) == f->id;
   }
   return 0;
 }
