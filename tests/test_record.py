@@ -1321,8 +1321,9 @@ def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs
 
 @pytest.mark.parametrize("follow", [False, True])
 def test_a_forked_child_keeps_none_of_its_parents_rings_mapped(tmp_path, programs, follow):
-    # it kept every one (its parent's two threads' here), shared: the files stayed held
-    # after the directory was deleted, and a later attach to the child was refused
+    # it kept every one it inherited mapped, shared ("1 rings" here, "2 rings" with
+    # --follow-fork): the files stayed held after the directory was deleted, and a later
+    # attach to the child was refused
     options = ["--follow-fork"] if follow else []
     res = record(tmp_path / "d", *options, "--", str(programs["fork"]), "rings")
     assert res.returncode == 0, res.stderr
