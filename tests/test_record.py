@@ -1319,6 +1319,23 @@ def test_fork_child_runs_untraced_and_parent_trace_is_its_own(tmp_path, programs
     ), res.stderr
 
 
+@pytest.mark.parametrize("mode", ["stream", "wrap"])
+def test_a_forked_child_not_followed_runs_none_of_the_tracers_code(tmp_path, programs, mode):
+    # it kept every hook Frida had put into the code (fork, sigaction, exit, the thread
+    # registry's in start_thread...): its thread starts and ends ran the agent's copy, and an
+    # attach to it hung in 2 of 20 tries on a lock the parent's agent held as it forked.  And
+    # Frida's handlers of the fault signals (7 once the hooks were out)
+    res = record(tmp_path / "d", "--", str(programs["fork"]), "code", mode=mode)
+    assert res.returncode == 0, res.stderr
+    parent, *child = res.stdout.splitlines()
+    hooked = int(re.fullmatch(r"parent: (\d+) changed code pages", parent)[1])
+    assert hooked >= 5, parent  # fork, sigaction, exit, the registry's two at least
+    assert child == ["child: 0 changed code pages, 0 fault handlers not its own", "handled 1"]
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert trace.meta()["threads"][str(tid)]["gaps"] == {"fork": 1}
+
+
 @pytest.mark.parametrize("follow", [False, True])
 def test_a_forked_child_keeps_none_of_its_parents_rings_mapped(tmp_path, programs, follow):
     # it kept every one it inherited mapped, shared ("1 rings" here, "2 rings" with

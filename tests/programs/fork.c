@@ -5,10 +5,17 @@
    `fork rings DIR`: the same, then the child closes its output, so that a recording ends
    with its parent, and waits (up to 60 s) for DIR/go before it calls f; it writes DIR/done
    at its end.
+   `fork code`: sets a SIGBUS handler, prints "parent: N changed code pages" and forks; the
+   child prints "child: N changed code pages, M fault handlers not its own" (N: pages of the
+   executable mappings of files whose bytes are no longer the file's, such as a hooked
+   function's first page; M: of SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT, SIGTRAP and
+   SIGSYS, those whose handler is neither the default nor its SIGBUS handler), raises SIGBUS
+   and prints "handled N", then starts a thread and waits for it.
    `fork starts ROUNDS`: ROUNDS times, starts a thread and forks at once (the thread waits on
    a pipe; the child exits 0 at once), then lets the thread end and waits for both; prints
    "ROUNDS rounds, OK children ok". */
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +44,66 @@ static int rings_of_others(void) {
   if (maps != NULL)
     fclose(maps);
   return n;
+}
+
+static int changed_code_pages(void) {
+  char line[4096], perms[8], path[4096];
+  unsigned long start, end, offset;
+  static char file_page[4096];
+  FILE *maps = fopen("/proc/self/maps", "r");
+  int n = 0;
+  while (maps != NULL && fgets(line, sizeof line, maps)) {
+    path[0] = '\0';
+    if (sscanf(line, "%lx-%lx %7s %lx %*s %*s %4095s", &start, &end, perms, &offset, path) < 4 ||
+        perms[2] != 'x' || path[0] != '/' || strstr(line, "(deleted)"))
+      continue;
+    FILE *file = fopen(path, "rb");
+    for (unsigned long page = start; file != NULL && page < end; page += 4096) {
+      memset(file_page, 0, sizeof file_page);
+      if (fseek(file, (long)(offset + page - start), SEEK_SET) == 0)
+        fread(file_page, 1, sizeof file_page, file);
+      n += memcmp((const void *)page, file_page, sizeof file_page) != 0;
+    }
+    if (file != NULL)
+      fclose(file);
+  }
+  if (maps != NULL)
+    fclose(maps);
+  return n;
+}
+
+static void *call_f(void *arg) {
+  f(1);
+  return arg;
+}
+
+static volatile sig_atomic_t buses;
+static void on_bus(int sig) { buses += sig == SIGBUS; }
+
+static int code(void) {
+  signal(SIGBUS, on_bus);
+  printf("parent: %d changed code pages\n", changed_code_pages());
+  fflush(stdout);
+  pid_t child = fork();
+  if (child == 0) {
+    static const int faults[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT, SIGTRAP, SIGSYS};
+    int foreign = 0;
+    for (unsigned i = 0; i < sizeof faults / sizeof *faults; i++) {
+      struct sigaction now;
+      foreign += sigaction(faults[i], NULL, &now) != 0 ||
+                 (now.sa_handler != SIG_DFL && now.sa_handler != on_bus) ||
+                 (faults[i] == SIGBUS && now.sa_handler != on_bus);
+    }
+    printf("child: %d changed code pages, %d fault handlers not its own\n",
+           changed_code_pages(), foreign);
+    raise(SIGBUS);
+    printf("handled %d\n", (int)buses);
+    fflush(stdout);
+    pthread_t thread;
+    return pthread_create(&thread, NULL, call_f, NULL) != 0 || pthread_join(thread, NULL) != 0;
+  }
+  int status;
+  return waitpid(child, &status, 0) != child || !WIFEXITED(status) ? 2 : WEXITSTATUS(status);
 }
 
 static void wait_for(const char *dir) {
@@ -78,6 +145,8 @@ static int starts(int rounds) {
 int main(int argc, char **argv) {
   if (argc > 2 && strcmp(argv[1], "starts") == 0)
     return starts(atoi(argv[2]));
+  if (argc > 1 && strcmp(argv[1], "code") == 0)
+    return code();
   int rings = argc > 1 && strcmp(argv[1], "rings") == 0;
   pthread_t thread;
   if (rings && (pipe(pipe_fds) != 0 || pthread_create(&thread, NULL, waiter, NULL) != 0))

@@ -169,6 +169,7 @@ typedef struct {
 #define BT_FAULT_SIGNALS 7
 
 #define BT_MAX_THREADS 4096
+#define BT_HOOKED_PAGES 64
 #define BT_MAX_SPARED 16
 
 /* A file of Frida's, by its fd when the agent was loaded and what it was: the fd's inode,
@@ -223,6 +224,9 @@ typedef struct {
   volatile int heap_locked_by; /* the thread holding them across a fork(), or 0 */
   int glib_locks_held;   /* which of GLib's that thread holds as well: FORK_HELD_* */
   int *signal_lock;      /* GLib's signal lock, or NULL (bt_find_signal_lock) */
+  int unhook_children;   /* 1: a forked child, not followed, gets its code back */
+  int nhooked_pages;     /* the pages that then go back to their files' (bt_note_hooked_pages) */
+  uint64_t hooked_pages[BT_HOOKED_PAGES];
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1029,34 +1033,51 @@ static int foreign_ring(const char *line, uint32_t own_tid, uint64_t *range) {
   return parse_decimal(name + 1) != own_tid;
 }
 
-/* Up to BT_RINGS_AT_ONCE ranges into `found`, read into `buf` (on the stack: a CModule's
-   static memory is not writable). */
-static int find_inherited_rings(uint64_t (*found)[2], char *buf, long size) {
-  uint32_t own_tid = (uint32_t)getpid();
+/* Calls visit(line, ctx) on each line of /proc/self/maps (NUL-ended, read into `buf`: on
+   the stack, a CModule's static memory is not writable) until it returns 0. */
+static void each_mapping(int (*visit)(const char *line, void *ctx), void *ctx, char *buf,
+                         long size) {
   long fd = syscall(2 /* open */, "/proc/self/maps", 0 /* O_RDONLY */);
   if (fd < 0)
-    return 0;
-  int n_found = 0;
+    return;
   long kept = 0, n;
-  while (n_found < BT_RINGS_AT_ONCE &&
-         (n = syscall(0 /* read */, fd, buf + kept, size - kept)) > 0) {
+  int more = 1;
+  while (more && (n = syscall(0 /* read */, fd, buf + kept, size - kept)) > 0) {
     long len = kept + n, from = 0;
-    for (long i = 0; i < len; i++) {
+    for (long i = 0; more && i < len; i++) {
       if (buf[i] != '\n')
         continue;
       buf[i] = '\0';
-      if (n_found < BT_RINGS_AT_ONCE && foreign_ring(buf + from, own_tid, found[n_found]))
-        n_found++;
+      more = visit(buf + from, ctx);
       from = i + 1;
     }
     kept = len - from; /* a line cut off by the read: to the front */
     if (kept == size)
-      kept = 0; /* a line longer than the buffer: no ring's */
+      kept = 0; /* a line longer than the buffer: none of interest */
     for (long i = 0; i < kept; i++)
       buf[i] = buf[from + i];
   }
   syscall(3 /* close */, fd);
-  return n_found;
+}
+
+typedef struct {
+  uint32_t own_tid;
+  int n_found;
+  uint64_t (*found)[2];
+} BtRingSearch;
+
+static int visit_for_rings(const char *line, void *ctx) {
+  BtRingSearch *search = ctx;
+  if (foreign_ring(line, search->own_tid, search->found[search->n_found]))
+    search->n_found++;
+  return search->n_found < BT_RINGS_AT_ONCE;
+}
+
+/* Up to BT_RINGS_AT_ONCE ranges into `found`. */
+static int find_inherited_rings(uint64_t (*found)[2], char *buf, long size) {
+  BtRingSearch search = {(uint32_t)getpid(), 0, found};
+  each_mapping(visit_for_rings, &search, buf, size);
+  return search.n_found;
 }
 
 static void drop_inherited_rings(void) {
@@ -1069,6 +1090,222 @@ static void drop_inherited_rings(void) {
       mmap((void *)found[i][0], found[i][1] - found[i][0], 3 /* PROT_READ|WRITE */,
            0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0);
   } while (n == BT_RINGS_AT_ONCE);
+}
+
+/* A forked child that is not followed (no --follow-fork) runs on untraced, but kept every
+   hook Frida put into the program's code and the libraries': its calls of fork(),
+   sigaction(), exit() and its threads' starts and ends (Frida's thread registry) went on
+   through Gum's trampolines into the agent's copy, whose locks may be held for good by
+   threads the child does not have.  A `record -p` of such a child hung in 2 of 20 tries:
+   a thread of the new agent, ending, ran a destructor of the old agent's (set as it
+   started, through the old agent's hook in start_thread()), which waited for GLib's
+   type lock, write-locked in the parent as it forked.  So the child puts back each page
+   of code that a hook changed, mapping it again from its file: it then runs none of the
+   tracer's code.  The pages are noted in the traced process, once its hooks are in: a
+   page of a file's executable mapping that is no longer the file's (the kernel's page map:
+   present, not a file page), where every byte that differs from the file lies in a hook
+   of Frida's (a jump into Frida's code, and the rest of the instructions it overwrote).
+   A page that the program changed itself is left as it is. */
+#define BT_HOOK_SPAN 32 /* a hook's jump and the rest of the instructions it overwrote */
+
+static int read_safely(const void *addr, void *out, uint64_t n);
+
+/* A private executable mapping of a file, from one line of /proc/self/maps: its path
+   (NUL-ended), or NULL for any other mapping. */
+static const char *code_mapping(const char *line, uint64_t *start, uint64_t *end,
+                                uint64_t *offset, uint64_t *inode) {
+  const char *p = line, *path, *path_end;
+  *start = parse_hex(&p);
+  if (*p++ != '-')
+    return NULL;
+  *end = parse_hex(&p);
+  if (p[0] != ' ' || p[3] != 'x' || p[4] != 'p') /* " r-xp" */
+    return NULL;
+  p += 6;
+  *offset = parse_hex(&p);
+  while (*p == ' ')
+    p++;
+  while (*p != ' ' && *p != '\0') /* the device */
+    p++;
+  while (*p == ' ')
+    p++;
+  *inode = parse_decimal(p);
+  for (path = p; *path != '\0' && *path != '/'; path++)
+    ;
+  for (path_end = path; *path_end != '\0'; path_end++)
+    ;
+  if (*path != '/' || ends_with(path, path_end, " (deleted)"))
+    return NULL;
+  return path;
+}
+
+/* Where a hook's first instruction at `at` jumps to (jmp rel32, or jmp [rip+disp32]), or 0. */
+static uint64_t hook_target(uint64_t at) {
+  uint8_t insn[6];
+  uint64_t target;
+  if (!read_safely((void *)at, insn, sizeof insn))
+    return 0;
+  int32_t rel = (int32_t)(insn[1] | insn[2] << 8 | insn[3] << 16 | (uint32_t)insn[4] << 24);
+  int32_t disp = (int32_t)(insn[2] | insn[3] << 8 | insn[4] << 16 | (uint32_t)insn[5] << 24);
+  if (insn[0] == 0xe9)
+    return at + 5 + (int64_t)rel;
+  if (insn[0] == 0xff && insn[1] == 0x25 && read_safely((void *)(at + 6 + (int64_t)disp), &target, 8))
+    return target;
+  return 0;
+}
+
+static int fridas_code(uint64_t address) {
+  const BtCodeRange *range = code_range(address);
+  return range != NULL ? (int)range->fridas : bt_is_frida_code(address);
+}
+
+typedef struct {
+  long pagemap;
+  int n;
+  uint64_t pages[BT_HOOKED_PAGES];
+  uint64_t hooked_until; /* the end of the last hook seen: it may go on into the next page */
+  uint8_t file[4096];
+  uint64_t entries[512];
+  char maps[4096];
+} BtHookSearch;
+
+/* Whether the page at `page` differs from `file` (its file's bytes) in Frida's hooks only,
+   and in one at least. */
+static int changed_by_hooks(BtHookSearch *search, uint64_t page) {
+  const uint8_t *now = (const uint8_t *)page;
+  int hooks = 0;
+  for (int i = 0; i < 4096; i++) {
+    if (now[i] == search->file[i] || page + i < search->hooked_until)
+      continue;
+    uint64_t target = hook_target(page + i);
+    if (target == 0 || !fridas_code(target))
+      return 0;
+    search->hooked_until = page + i + BT_HOOK_SPAN;
+    hooks++;
+  }
+  return hooks > 0;
+}
+
+static int visit_for_hooks(const char *line, void *ctx) {
+  BtHookSearch *search = ctx;
+  uint64_t start, end, offset, inode;
+  const char *path = code_mapping(line, &start, &end, &offset, &inode);
+  if (path == NULL)
+    return 1;
+  long fd = -1;
+  for (uint64_t at = start; at < end && search->n < BT_HOOKED_PAGES; at += 512 * 4096) {
+    uint64_t n = (end - at) / 4096 < 512 ? (end - at) / 4096 : 512;
+    if (syscall(17 /* pread64 */, search->pagemap, search->entries, 8 * n, (at >> 12) * 8)
+        != (long)(8 * n))
+      break;
+    for (uint64_t i = 0; i < n && search->n < BT_HOOKED_PAGES; i++) {
+      uint64_t entry = search->entries[i], page = at + 4096 * i;
+      /* present and no longer the file's page, or swapped out (only changed pages are) */
+      if (!((entry >> 63 & 1 && !(entry >> 61 & 1)) || entry >> 62 & 1))
+        continue;
+      if (fd < 0 && (fd = syscall(2 /* open */, path, 0x80000 /* O_RDONLY|O_CLOEXEC */)) < 0)
+        return 1;
+      long got = syscall(17 /* pread64 */, fd, search->file, 4096, offset + (page - start));
+      for (long j = got < 0 ? 0 : got; j < 4096; j++)
+        search->file[j] = 0; /* past the file's end a mapping reads zeros */
+      if (changed_by_hooks(search, page))
+        search->pages[search->n++] = page;
+    }
+  }
+  if (fd >= 0)
+    syscall(3 /* close */, fd);
+  return search->n < BT_HOOKED_PAGES;
+}
+
+/* In the traced process, after hooks were added: notes the pages a child puts back.
+   Returns how many. */
+int bt_note_hooked_pages(void) {
+  /* not on the stack: a hook may be added on a thread of the program's, whose stack may be
+     small */
+  BtHookSearch *search = mmap(NULL, sizeof(BtHookSearch), 3, 0x22 /* PRIVATE|ANONYMOUS */,
+                              -1, 0);
+  if (search == (BtHookSearch *)-1)
+    return 0;
+  search->n = 0;
+  search->hooked_until = 0;
+  search->pagemap = syscall(2 /* open */, "/proc/self/pagemap", 0x80000);
+  if (search->pagemap >= 0) {
+    each_mapping(visit_for_hooks, search, search->maps, sizeof search->maps - 1);
+    syscall(3 /* close */, search->pagemap);
+    /* a child forked meanwhile puts back fewer pages, not others */
+    g_atomic_int_add(&STATE->nhooked_pages, -STATE->nhooked_pages);
+    for (int i = 0; i < search->n; i++)
+      STATE->hooked_pages[i] = search->pages[i];
+    g_atomic_int_add(&STATE->nhooked_pages, search->n);
+  }
+  int n = search->n;
+  munmap(search, sizeof(BtHookSearch));
+  return n;
+}
+
+typedef struct {
+  long fds[BT_HOOKED_PAGES];
+  uint64_t offsets[BT_HOOKED_PAGES];
+} BtUnhooking;
+
+static int visit_for_unhooking(const char *line, void *ctx) {
+  BtUnhooking *unhooking = ctx;
+  uint64_t start, end, offset, inode, st[18];
+  const char *path = code_mapping(line, &start, &end, &offset, &inode);
+  for (int i = 0; path != NULL && i < STATE->nhooked_pages; i++) {
+    uint64_t page = STATE->hooked_pages[i];
+    if (page < start || page >= end || unhooking->fds[i] >= 0)
+      continue;
+    long fd = syscall(2 /* open */, path, 0x80000 /* O_RDONLY|O_CLOEXEC */);
+    /* the file mapped, not one put in its place since (st_ino) */
+    if (fd >= 0 && (syscall(5 /* fstat */, fd, st) != 0 || st[1] != inode)) {
+      syscall(3 /* close */, fd);
+      fd = -1;
+    }
+    unhooking->fds[i] = fd;
+    unhooking->offsets[i] = offset + (page - start);
+  }
+  return 1;
+}
+
+static const int fault_signals[BT_FAULT_SIGNALS];
+
+/* Frida's exceptor keeps the fault signals in the kernel (a child that faulted ran Frida's
+   handler, in the agent's copy, before its own): they go back to what the program asked
+   for (BtState.program), or to the default. */
+static void restore_program_fault_handlers(void) {
+  for (int i = 0; i < BT_FAULT_SIGNALS; i++) {
+    BtSigaction now, program = {NULL, 0, NULL, 0};
+    const BtCodeRange *range;
+    if (syscall(13 /* rt_sigaction */, fault_signals[i], NULL, &now, 8) != 0 ||
+        (range = code_range((uint64_t)now.handler)) == NULL || !range->fridas)
+      continue;
+    if (STATE->program_known >> i & 1) {
+      program = STATE->program[i];
+      if ((uint64_t)program.handler > 1) {
+        program.flags |= 0x04000000; /* SA_RESTORER: the C library's, as Frida's had */
+        program.restorer = now.restorer;
+      }
+    }
+    syscall(13 /* rt_sigaction */, fault_signals[i], &program, NULL, 8);
+  }
+}
+
+/* In a forked child that is not followed: its code as its files have it.  The files are
+   opened first: /proc/self/maps changing while it is read could skip a line. */
+static void unhook_inherited_code(void) {
+  char buf[4096];
+  BtUnhooking unhooking;
+  int n = STATE->nhooked_pages;
+  for (int i = 0; i < n; i++)
+    unhooking.fds[i] = -1;
+  each_mapping(visit_for_unhooking, &unhooking, buf, sizeof buf - 1);
+  for (int i = 0; i < n; i++)
+    if (unhooking.fds[i] >= 0) {
+      mmap((void *)STATE->hooked_pages[i], 4096, 5 /* PROT_READ|EXEC */,
+           0x12 /* PRIVATE|FIXED */, unhooking.fds[i], unhooking.offsets[i]);
+      syscall(3 /* close */, unhooking.fds[i]);
+    }
 }
 
 /* fork(): Frida Stalker cannot take a thread through fork() (the child dies at once), so
@@ -1398,6 +1635,10 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
     disarm_inherited_altstack();
     drop_inherited_rings();
     drop_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
+    if (STATE->unhook_children) {
+      unhook_inherited_code();
+      restore_program_fault_handlers();
+    }
     return;
   }
   if (!in_forked_child())

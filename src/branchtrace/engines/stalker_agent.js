@@ -7,16 +7,21 @@
 const libc = (name) => Module.getGlobalExportByName(name);
 // Where this script's hooks are (leaveStalker).
 const hookedAt = [];
+let hooksNoted = false; // from the end of the set-up on, each hook added is noted at once
 function attach(target, callbacks) {
   hookedAt.push(target);
-  return Interceptor.attach(target, callbacks);
+  const listener = Interceptor.attach(target, callbacks);
+  if (hooksNoted) {
+    noteHookedPages();
+  }
+  return listener;
 }
 // Asked once per compiled block (never per execution) that starts in neither Frida's agent
 // nor a module (is_frida_code in stalker_agent.c): blocks of Frida's own code, such as the
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 856); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 1376); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -42,6 +47,10 @@ state.add(8 + 8 * 4096 + 824).writePointer(NULL); // BtState.heap_locks: not fou
 state.add(8 + 8 * 4096 + 832).writePointer(NULL);
 state.add(8 + 8 * 4096 + 840).writeU64(0); // nobody holds them (heap_locked_by)
 state.add(8 + 8 * 4096 + 848).writePointer(NULL); // BtState.signal_lock: not found yet
+// BtState.unhook_children: a forked child that is not followed puts back the code the hooks
+// changed (unhook_inherited_code in stalker_agent.c); nhooked_pages: none noted yet
+state.add(8 + 8 * 4096 + 856).writeS32(PARAMS.followFork ? 0 : 1);
+state.add(8 + 8 * 4096 + 860).writeS32(0);
 
 // /proc/self/maps, or nothing without /proc: Frida's Cloak then answers for the agent's code
 // too, as it did for all code, and no heap lock is found (agentData)
@@ -990,6 +999,18 @@ function releaseForks() {
   recv('release-forks', releaseForks);
 }
 recv('release-forks', releaseForks);
+
+// The pages a forked child that is not followed maps again from their files: noted once
+// every hook of the set-up is in, Frida's own too, and again at each hook added later (a
+// signal handler's, a probe where a fork() returns).
+const noteHooks = new NativeFunction(cm.bt_note_hooked_pages, 'int', []);
+function noteHookedPages() {
+  noteHooks();
+}
+if (!PARAMS.followFork) {
+  hooksNoted = true;
+  noteHookedPages();
+}
 
 rpc.exports = {
   // The program's threads among `tids` (the process's, from /proc): Frida's own and the
