@@ -1243,27 +1243,44 @@ int bt_note_hooked_pages(void) {
   return n;
 }
 
+/* What a forked child finds in one pass over /proc/self/maps (each read of it took some
+   0.1 ms): its parent's rings, and, if it puts its code back, the files of the hooked pages,
+   opened there (once per mapping) and mapped after the pass, since /proc/self/maps changing
+   while it is read could skip a line. */
 typedef struct {
-  long fds[BT_HOOKED_PAGES];
+  BtRingSearch rings;
+  int unhook;
+  long fds[BT_HOOKED_PAGES];      /* the page's file, or -1 */
+  int owns_fd[BT_HOOKED_PAGES];   /* opened for this page: closed with it */
   uint64_t offsets[BT_HOOKED_PAGES];
-} BtUnhooking;
+} BtChildScan;
 
-static int visit_for_unhooking(const char *line, void *ctx) {
-  BtUnhooking *unhooking = ctx;
+static int visit_in_child(const char *line, void *ctx) {
+  BtChildScan *scan = ctx;
   uint64_t start, end, offset, inode, st[18];
-  const char *path = code_mapping(line, &start, &end, &offset, &inode);
-  for (int i = 0; path != NULL && i < STATE->nhooked_pages; i++) {
+  const char *path;
+  long fd = -1;
+  if (scan->rings.n_found < BT_RINGS_AT_ONCE)
+    visit_for_rings(line, &scan->rings);
+  if (!scan->unhook || (path = code_mapping(line, &start, &end, &offset, &inode)) == NULL)
+    return 1;
+  for (int i = 0; i < STATE->nhooked_pages; i++) {
     uint64_t page = STATE->hooked_pages[i];
-    if (page < start || page >= end || unhooking->fds[i] >= 0)
+    if (page < start || page >= end || scan->fds[i] >= 0)
       continue;
-    long fd = syscall(2 /* open */, path, 0x80000 /* O_RDONLY|O_CLOEXEC */);
-    /* the file mapped, not one put in its place since (st_ino) */
-    if (fd >= 0 && (syscall(5 /* fstat */, fd, st) != 0 || st[1] != inode)) {
-      syscall(3 /* close */, fd);
-      fd = -1;
+    if (fd < 0) {
+      fd = syscall(2 /* open */, path, 0x80000 /* O_RDONLY|O_CLOEXEC */);
+      /* the file mapped, not one put in its place since (st_ino) */
+      if (fd >= 0 && (syscall(5 /* fstat */, fd, st) != 0 || st[1] != inode)) {
+        syscall(3 /* close */, fd);
+        return 1;
+      }
+      if (fd < 0)
+        return 1;
+      scan->owns_fd[i] = 1;
     }
-    unhooking->fds[i] = fd;
-    unhooking->offsets[i] = offset + (page - start);
+    scan->fds[i] = fd;
+    scan->offsets[i] = offset + (page - start);
   }
   return 1;
 }
@@ -1291,21 +1308,34 @@ static void restore_program_fault_handlers(void) {
   }
 }
 
-/* In a forked child that is not followed: its code as its files have it.  The files are
-   opened first: /proc/self/maps changing while it is read could skip a line. */
-static void unhook_inherited_code(void) {
+/* In a forked child: its parent's rings go (drop_inherited_rings), and, when it is not
+   followed, its code is put back as its files have it (unhook_children). */
+static void leave_parents_trace(int unhook) {
   char buf[4096];
-  BtUnhooking unhooking;
-  int n = STATE->nhooked_pages;
+  BtChildScan scan;
+  int n = unhook ? STATE->nhooked_pages : 0;
+  scan.rings.own_tid = (uint32_t)getpid();
+  scan.rings.n_found = 0;
+  uint64_t rings[BT_RINGS_AT_ONCE][2];
+  scan.rings.found = rings;
+  scan.unhook = unhook;
+  for (int i = 0; i < n; i++) {
+    scan.fds[i] = -1;
+    scan.owns_fd[i] = 0;
+  }
+  each_mapping(visit_in_child, &scan, buf, sizeof buf - 1);
+  for (int i = 0; i < scan.rings.n_found; i++)
+    mmap((void *)rings[i][0], rings[i][1] - rings[i][0], 3 /* PROT_READ|WRITE */,
+         0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0);
+  if (scan.rings.n_found == BT_RINGS_AT_ONCE)
+    drop_inherited_rings(); /* the rest */
   for (int i = 0; i < n; i++)
-    unhooking.fds[i] = -1;
-  each_mapping(visit_for_unhooking, &unhooking, buf, sizeof buf - 1);
-  for (int i = 0; i < n; i++)
-    if (unhooking.fds[i] >= 0) {
+    if (scan.fds[i] >= 0)
       mmap((void *)STATE->hooked_pages[i], 4096, 5 /* PROT_READ|EXEC */,
-           0x12 /* PRIVATE|FIXED */, unhooking.fds[i], unhooking.offsets[i]);
-      syscall(3 /* close */, unhooking.fds[i]);
-    }
+           0x12 /* PRIVATE|FIXED */, scan.fds[i], scan.offsets[i]);
+  for (int i = 0; i < n; i++)
+    if (scan.owns_fd[i])
+      syscall(3 /* close */, scan.fds[i]);
 }
 
 /* fork(): Frida Stalker cannot take a thread through fork() (the child dies at once), so
@@ -1633,12 +1663,10 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
         bt_thread_forget(STATE->threads[i]);
     bt_release_faults(); /* Frida frees this code in the child */
     disarm_inherited_altstack();
-    drop_inherited_rings();
+    leave_parents_trace(STATE->unhook_children);
     drop_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
-    if (STATE->unhook_children) {
-      unhook_inherited_code();
+    if (STATE->unhook_children)
       restore_program_fault_handlers();
-    }
     return;
   }
   if (!in_forked_child())

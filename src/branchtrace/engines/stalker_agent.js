@@ -48,7 +48,7 @@ state.add(8 + 8 * 4096 + 832).writePointer(NULL);
 state.add(8 + 8 * 4096 + 840).writeU64(0); // nobody holds them (heap_locked_by)
 state.add(8 + 8 * 4096 + 848).writePointer(NULL); // BtState.signal_lock: not found yet
 // BtState.unhook_children: a forked child that is not followed puts back the code the hooks
-// changed (unhook_inherited_code in stalker_agent.c); nhooked_pages: none noted yet
+// changed (leave_parents_trace in stalker_agent.c); nhooked_pages: none noted yet
 state.add(8 + 8 * 4096 + 856).writeS32(PARAMS.followFork ? 0 : 1);
 state.add(8 + 8 * 4096 + 860).writeS32(0);
 
