@@ -12,7 +12,7 @@ function attach(target, callbacks) {
   hookedAt.push(target);
   const listener = Interceptor.attach(target, callbacks);
   if (hooksNoted) {
-    noteHookedPages();
+    noteHooks();
   }
   return listener;
 }
@@ -1004,12 +1004,9 @@ recv('release-forks', releaseForks);
 // every hook of the set-up is in, Frida's own too, and again at each hook added later (a
 // signal handler's, a probe where a fork() returns).
 const noteHooks = new NativeFunction(cm.bt_note_hooked_pages, 'int', []);
-function noteHookedPages() {
-  noteHooks();
-}
 if (!PARAMS.followFork) {
   hooksNoted = true;
-  noteHookedPages();
+  noteHooks();
 }
 
 rpc.exports = {
