@@ -1336,6 +1336,18 @@ def test_a_forked_child_not_followed_runs_none_of_the_tracers_code(tmp_path, pro
     assert trace.meta()["threads"][str(tid)]["gaps"] == {"fork": 1}
 
 
+def test_attached_a_forked_child_runs_none_of_the_tracers_code(tmp_path, programs):
+    # the pages are noted at the end of the script's set-up, Frida's hooks from its attach
+    # included
+    with attach_target(programs["fork"], "code", "wait", stdin=subprocess.PIPE) as target:
+        status, err = attached_until_the_end(tmp_path / "d", target, "stream")
+        assert target.wait(timeout=30) == 0
+        parent, *child = target.stdout.read().splitlines()
+    assert status == 0, err
+    assert int(re.fullmatch(r"parent: (\d+) changed code pages", parent)[1]) >= 5, parent
+    assert child == ["child: 0 changed code pages, 0 fault handlers not its own", "handled 1"]
+
+
 @pytest.mark.parametrize("follow", [False, True])
 def test_a_forked_child_keeps_none_of_its_parents_rings_mapped(tmp_path, programs, follow):
     # it kept every one it inherited mapped, shared ("1 rings" here, "2 rings" with

@@ -10,7 +10,8 @@
    executable mappings of files whose bytes are no longer the file's, such as a hooked
    function's first page; M: of SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT, SIGTRAP and
    SIGSYS, those whose handler is neither the default nor its SIGBUS handler), raises SIGBUS
-   and prints "handled N", then starts a thread and waits for it.
+   and prints "handled N", then starts a thread and waits for it.  `fork code wait`: says
+   "ready" and waits for a line first (an attach target).
    `fork starts ROUNDS`: ROUNDS times, starts a thread and forks at once (the thread waits on
    a pipe; the child exits 0 at once), then lets the thread end and waits for both; prints
    "ROUNDS rounds, OK children ok". */
@@ -145,8 +146,14 @@ static int starts(int rounds) {
 int main(int argc, char **argv) {
   if (argc > 2 && strcmp(argv[1], "starts") == 0)
     return starts(atoi(argv[2]));
-  if (argc > 1 && strcmp(argv[1], "code") == 0)
+  if (argc > 1 && strcmp(argv[1], "code") == 0) {
+    if (argc > 2) {
+      printf("ready\n");
+      fflush(stdout);
+      getchar();
+    }
     return code();
+  }
   int rings = argc > 1 && strcmp(argv[1], "rings") == 0;
   pthread_t thread;
   if (rings && (pipe(pipe_fds) != 0 || pthread_create(&thread, NULL, waiter, NULL) != 0))
