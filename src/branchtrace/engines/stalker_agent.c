@@ -1080,15 +1080,20 @@ static int find_inherited_rings(uint64_t (*found)[2], char *buf, long size) {
   return search.n_found;
 }
 
+static void make_private(uint64_t (*rings)[2], int n) {
+  for (int i = 0; i < n; i++)
+    mmap((void *)rings[i][0], rings[i][1] - rings[i][0], 3 /* PROT_READ|WRITE */,
+         0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0);
+}
+
+/* Every inherited ring, those past the first BT_RINGS_AT_ONCE included (leave_parents_trace). */
 static void drop_inherited_rings(void) {
   char buf[4096];
   uint64_t found[BT_RINGS_AT_ONCE][2];
   int n;
   do {
     n = find_inherited_rings(found, buf, sizeof buf - 1);
-    for (int i = 0; i < n; i++)
-      mmap((void *)found[i][0], found[i][1] - found[i][0], 3 /* PROT_READ|WRITE */,
-           0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0);
+    make_private(found, n);
   } while (n == BT_RINGS_AT_ONCE);
 }
 
@@ -1149,11 +1154,14 @@ static uint64_t hook_target(uint64_t at) {
   int32_t disp = (int32_t)(insn[2] | insn[3] << 8 | insn[4] << 16 | (uint32_t)insn[5] << 24);
   if (insn[0] == 0xe9)
     return at + 5 + (int64_t)rel;
-  if (insn[0] == 0xff && insn[1] == 0x25 && read_safely((void *)(at + 6 + (int64_t)disp), &target, 8))
+  if (insn[0] == 0xff && insn[1] == 0x25 &&
+      read_safely((void *)(at + 6 + (int64_t)disp), &target, 8))
     return target;
   return 0;
 }
 
+/* is_frida_code() without the fork turn: called from the script itself, which holds its
+   lock already (bt_note_hooked_pages). */
 static int fridas_code(uint64_t address) {
   const BtCodeRange *range = code_range(address);
   return range != NULL ? (int)range->fridas : bt_is_frida_code(address);
@@ -1308,7 +1316,7 @@ static void restore_program_fault_handlers(void) {
   }
 }
 
-/* In a forked child: its parent's rings go (drop_inherited_rings), and, when it is not
+/* In a forked child: its parent's rings become private memory, and, when it is not
    followed, its code is put back as its files have it (unhook_children). */
 static void leave_parents_trace(int unhook) {
   char buf[4096];
@@ -1324,9 +1332,7 @@ static void leave_parents_trace(int unhook) {
     scan.owns_fd[i] = 0;
   }
   each_mapping(visit_in_child, &scan, buf, sizeof buf - 1);
-  for (int i = 0; i < scan.rings.n_found; i++)
-    mmap((void *)rings[i][0], rings[i][1] - rings[i][0], 3 /* PROT_READ|WRITE */,
-         0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0);
+  make_private(rings, scan.rings.n_found);
   if (scan.rings.n_found == BT_RINGS_AT_ONCE)
     drop_inherited_rings(); /* the rest */
   for (int i = 0; i < n; i++)
