@@ -54,6 +54,9 @@ class RecordOptions:
     #: entries in each thread's block table (0: buffer_size / 64, 4096 to 1M); blocks
     #: compiled once it is full are recorded through a slower path
     block_table: int = 0
+    #: the program's blocks Stalker compiles for a thread before the thread takes a fresh
+    #: context (0: stalker.CONTEXT_BLOCKS), as Stalker cannot keep compiling in one for good
+    context_blocks: int = 0
 
 
 @dataclass

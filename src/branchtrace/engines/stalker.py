@@ -96,6 +96,9 @@ CHUNK = 64 * 1024  #: the inline writer's chunk: its end is found by a 16-bit te
 META_LOG = 4096
 #: targets per indirect branch in Stalker's inline cache once widened (stalker_agent.c)
 INLINE_CACHE = 32
+#: the program's blocks Stalker compiles for a thread before the thread is followed again in
+#: a fresh context (renew_context in stalker_agent.c): Stalker failed at some 2.1 million
+CONTEXT_BLOCKS = 1_000_000
 MIN_BUFFER = 8 * CHUNK
 #: seconds an agent may take to stop or detach before the host gives up on it
 AGENT_TIMEOUT = 10.0
@@ -152,6 +155,7 @@ extern void *memset(void *s, int c, unsigned long n);
 extern unsigned long strlen(const char *s);
 extern int *__errno_location(void);
 #define BT_IC_ENTRIES INLINE_CACHE
+#define BT_CONTEXT_BLOCKS BLOCKS_PER_CONTEXT
 struct bt_flock { short l_type; short l_whence; long l_start; long l_len; int l_pid; };
 static void bt_futex_wait(uint32_t *addr, uint32_t expected, long timeout_ns) {
   long ts[2] = {timeout_ns / 1000000000L, timeout_ns % 1000000000L};
@@ -170,9 +174,11 @@ _FLAGS = {
 }
 
 
-def agent_c_source() -> str:
+def agent_c_source(context_blocks: int = CONTEXT_BLOCKS) -> str:
     body = resources.files(__package__).joinpath("stalker_agent.c").read_text()
-    prelude = _PRELUDE.replace("INLINE_CACHE", str(INLINE_CACHE))
+    prelude = _PRELUDE.replace("INLINE_CACHE", str(INLINE_CACHE)).replace(
+        "BLOCKS_PER_CONTEXT", str(context_blocks)
+    )
     return prelude + c_writer_source() + body
 
 
@@ -892,6 +898,8 @@ class _Recording:
         #: faults in Frida's code that a process was about to die of, as its agent noted
         #: them (note_frida_fault in stalker_agent.c), each with its pid
         self.frida_faults: list[dict[str, Any]] = []
+        #: by thread: how often it was followed again in a fresh Stalker context
+        self.contexts_renewed: dict[str, int] = {}
         self.main_key: int | None = None  #: the spawned program's process
         self.lock = threading.Lock()
         #: threads whose rings gave their unused space back (_release_finished)
@@ -954,7 +962,7 @@ class _Recording:
             self.init = init
             self.main_key = pid
         params = {
-            "cSource": agent_c_source(),
+            "cSource": agent_c_source(self.options.context_blocks or CONTEXT_BLOCKS),
             "mainRing": str(main_ring) if main_ring else None,
             "spawn": spawn,
             # not in a forked child: its parent's stub is there already
@@ -1405,6 +1413,9 @@ class _Recording:
                 elif event.get("type") == "frida-fault":
                     self.frida_faults.append({"pid": pid, **event})
                     del self.frida_faults[-1]["type"]
+                elif event.get("type") == "context-renewed":
+                    tid = str(event["tid"])
+                    self.contexts_renewed[tid] = self.contexts_renewed.get(tid, 0) + 1
                 elif event.get("type") == "late-hook":
                     self._error(_LATE_HOOK[str(event["what"])].format(tid=event["tid"], pid=pid))
                 elif event.get("type") == "thread-untraced" and event.get("inFork"):
@@ -2411,6 +2422,7 @@ class StalkerEngine:
         meta["fork_heap_locks"] = rec.fork_heap_locks
         meta["fork_signal_lock"] = rec.fork_signal_lock
         meta["frida_faults"] = rec.frida_faults
+        meta["contexts_renewed"] = rec.contexts_renewed
         tracedir.write_meta(meta)
         return result
 

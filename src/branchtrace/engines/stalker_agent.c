@@ -121,6 +121,10 @@ typedef struct {
   int fork_entered;      /* on its way into a fork(), entered ahead of the hook (bt_fork_first) */
   int fork_native;       /* came through the fork stub: runs fork() natively, until _Fork()
                             (bt_on_fork_syscall, hooked only once both heap locks are found) */
+  uint64_t ctx_blocks;   /* the program's blocks compiled in `exec_ctx` (renew_context) */
+  int renewing;          /* on its way to the refollow stub to get a fresh context */
+  int renew_stub_asked;  /* a callout asked for the refollow stub, for renew_context */
+  int64_t clone_ns;      /* when it last entered clone() or clone3() (put_renewal) */
 } BtThread;
 
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
@@ -2458,14 +2462,43 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
   if (t->refollow != NULL) {
     *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
     *rip = (uint64_t)t->refollow;
+    t->renewing = 0; /* a handler that ran between on_renewal and its jump: followed again
+                        as for any handler that moved the pc, its old context kept */
   }
 }
 
-/* The refollow stub, hooked: a thread is there with the registers its handler gave it. */
+extern void bt_unfollow_me(void);
+extern void bt_follow_afresh(void);
+static void note_renewal(BtThread *t);
+
+/* put_renewal: the thread, native in its refollow stub's hook, leaves its context and is
+   followed in a fresh one from the stub's jump on.  Where the old context's copies of its
+   blocks were (BtCopy) is forgotten: the fresh one's code may be placed there. */
+static void renew_context(BtThread *t) {
+  int turn = enter_script();
+  t->exec_ctx = NULL;
+  bt_unfollow_me();
+  for (BtCopyChunk *c = t->copies, *prev; c != NULL; c = prev) {
+    prev = c->prev;
+    t->copies = prev;
+    munmap(c, BT_COPY_CHUNK);
+  }
+  note_renewal(t);
+  bt_follow_afresh();
+  leave_script(turn);
+}
+
+/* The refollow stub, hooked: a thread is there with the registers its handler gave it, or
+   for a fresh context (put_renewal). */
 void bt_on_refollow(GumInvocationContext *ic) {
   BtThread *t = in_forked_child() ? NULL : current_thread();
   if (t == NULL || t->closed)
     return; /* the stub jumps on, natively */
+  if (t->renewing) {
+    t->renewing = 0;
+    renew_context(t);
+    return;
+  }
   bt_thread_gap(t, BT_GAPREASON_LEFT_HANDLER);
   bt_follow_again();
 }
@@ -2979,6 +3012,16 @@ void bt_note(const char *line) {
     return;
   syscall(1 /* write */, fd, line, strlen(line));
   close(fd);
+}
+
+/* {"type": "context-renewed", "tid": N, "blocks": B} for renew_context(). */
+static void note_renewal(BtThread *t) {
+  char line[128];
+  int at = put_text(line, 0, "{\"type\": \"context-renewed\", \"tid\": ");
+  at = put_decimal(line, at, t->tid);
+  at = put_decimal(line, put_text(line, at, ", \"blocks\": "), t->ctx_blocks);
+  line[put_text(line, at, "}\n")] = 0;
+  bt_note(line);
 }
 
 /* {"type": "late-hook", "tid": N, "what": WHAT} for await_hook(). */
@@ -3515,6 +3558,72 @@ static uint64_t *new_spilled(BtThread *t) {
   return e;
 }
 
+/* Stalker keeps all of a thread's compiled code and its data within 32-bit reach of the
+   thread's context (GumExecCtx) and never frees any of it while the thread is followed; a
+   thread that had it compile some 2.1 million blocks (a JIT writing new code all the time)
+   found nothing free near enough, and Gum wrote through the NULL it got (frida-gum#793).
+   So after BT_CONTEXT_BLOCKS blocks of the program's compiled in one context the thread
+   takes a fresh one: the next block compiled is replaced by a jump to the thread's refollow
+   stub (natively, with the program's registers as they are at the block's start), where
+   bt_on_refollow unfollows the thread -- Gum frees the old context and its code at once,
+   as the thread runs none of it -- and follows it again, and the stub jumps to the block,
+   which the fresh context compiles and records.  The block is recorded once, where it
+   ran, and no branch is missed: nothing of the program's runs in between.  The stub is
+   made by a callout the first time (Frida's hooks cannot be placed from a transform).
+   A thread that has just created another keeps its context a while longer: the new thread
+   starts in the old context's code, which jumps to the program's instruction after the
+   system call through the context itself, and it may not have run yet (a renewal then,
+   which frees both, killed 2 of 8 runs of `threads` renewing every 50 blocks). */
+#define BT_CLONE_GRACE_NS 200000000L
+
+static void on_clone(GumCpuContext *cpu, gpointer user_data) {
+  ((BtThread *)user_data)->clone_ns = monotonic_ns();
+}
+
+static void on_renew_stub_needed(GumCpuContext *cpu, gpointer user_data) {
+  BtThread *t = user_data;
+  if (t->refollow != NULL || t->closed)
+    return;
+  int turn = enter_script();
+  t->refollow = bt_new_refollow();
+  leave_script(turn);
+  static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
+  if (t->refollow != NULL)
+    await_hook((uint64_t)t->refollow, nops, "refollow");
+}
+
+static void on_renewal(GumCpuContext *cpu, gpointer user_data) {
+  const uint64_t *renewal = user_data;
+  BtThread *t = (BtThread *)renewal[0];
+  *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = renewal[1];
+  t->renewing = 1;
+}
+
+static int put_renewal(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                       uint64_t start) {
+  if (t->closed || t->leaving ||
+      (t->clone_ns != 0 && monotonic_ns() - t->clone_ns < BT_CLONE_GRACE_NS))
+    return 0;
+  if (t->refollow == NULL) {
+    if (!t->renew_stub_asked)
+      gum_stalker_iterator_put_callout(iterator, on_renew_stub_needed, t, NULL);
+    t->renew_stub_asked = 1;
+    return 0;
+  }
+  uint64_t *renewal = new_spilled(t); /* {t, start}: as a spilled block's */
+  if (renewal == NULL)
+    return 0;
+  renewal[1] = start;
+  gum_stalker_iterator_put_callout(iterator, on_renewal, renewal, NULL);
+  static const uint8_t jmp_rip[] = {0xff, 0x25, 0, 0, 0, 0};
+  put_bytes(cw, jmp_rip, sizeof jmp_rip);
+  put_bytes(cw, (const uint8_t *)&t->refollow, 8);
+  const cs_insn *insn;
+  while (gum_stalker_iterator_next(iterator, &insn))
+    ; /* none of it kept: the fresh context compiles the block */
+  return 1;
+}
+
 /* Before a syscall instruction: the callout that closes the ring, only for exit and
    exit_group.  A callout for every system call cost 115 ns each (3M getppid(): 0.5 s
    native, traced 0.85 s with it); rcx is free here, as the syscall overwrites it, so the
@@ -3569,6 +3678,10 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
   if (range != NULL && !range->fridas) /* the program's: not the agent's own calls */
     put_check(iterator, cw, t, 13 /* rt_sigaction */, on_rt_sigaction, go,
               (gconstpointer)(address | (1ULL << 57)));
+  put_check(iterator, cw, t, 56 /* clone */, on_clone, go,
+            (gconstpointer)(address | (1ULL << 56)));
+  put_check(iterator, cw, t, 435 /* clone3 */, on_clone, go,
+            (gconstpointer)(address | (1ULL << 55)));
   put_check(iterator, cw, t, 59 /* execve */, on_exec_syscall, go,
             (gconstpointer)(address | (1ULL << 60)));
   put_check(iterator, cw, t, 322 /* execveat */, on_exec_syscall, go,
@@ -3609,11 +3722,17 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   widen_inline_cache(iterator);
   if (!t->altstack_tried && STATE->faults_taken != 0)
     arm_altstack(t);
-  t->exec_ctx = *(uint8_t **)iterator; /* GumStalkerIterator.exec_context (context_to_let_go) */
+  uint8_t *exec_ctx = *(uint8_t **)iterator; /* GumStalkerIterator.exec_context */
+  if (exec_ctx != t->exec_ctx)
+    t->ctx_blocks = 0;
+  t->exec_ctx = exec_ctx; /* (context_to_let_go) */
   while (gum_stalker_iterator_next(iterator, &insn)) {
     if (first && is_frida_code(insn->address)) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */
-    } else if (first && (insn->address >> BT_BLOCK_ADDR_BITS) != 0) {
+    } else if (first && t->ctx_blocks >= BT_CONTEXT_BLOCKS &&
+               put_renewal(iterator, cw, t, insn->address)) {
+      return;
+    } else if (first && (t->ctx_blocks++, (insn->address >> BT_BLOCK_ADDR_BITS) != 0)) {
       /* TODO(LA57): only with 5-level paging; counted and reported, never silent */
       t->far_blocks++;
     } else if (first && t->next_id >= t->table_cap) {

@@ -178,6 +178,20 @@ const followAgain = new NativeCallback(() => {
     Stalker.follow(tid, { transform: cm.transform, data: t });
   }
 }, 'void', []);
+// A thread renewing its Stalker context (renew_context in stalker_agent.c), native in its
+// refollow stub's hook: two calls, as Stalker's unfollow and follow of the calling thread
+// take effect as the call returns, and one call asking both would do neither.
+const unfollowMe = new NativeCallback(() => {
+  Stalker.unfollow();
+}, 'void', []);
+const followAfresh = new NativeCallback(() => {
+  const tid = Process.getCurrentThreadId();
+  const t = threads.get(tid);
+  Stalker.garbageCollect();
+  if (t !== undefined && tracing) {
+    Stalker.follow(tid, { transform: cm.transform, data: t });
+  }
+}, 'void', []);
 const hookedHandlers = new Set();
 // What it hooked (note_handler in stalker_agent.c waits for those hooks to be in the code):
 // 1 the handler, 2 the restorer too.
@@ -244,6 +258,8 @@ const cm = new CModule(PARAMS.cSource, {
   bt_after_fork: afterFork,
   bt_fork_returned: forkReturned,
   bt_follow_again: followAgain,
+  bt_unfollow_me: unfollowMe,
+  bt_follow_afresh: followAfresh,
   bt_new_refollow: newRefollow,
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
