@@ -398,6 +398,87 @@ def test_a_program_killed_inside_fridas_code_is_not_shown_as_its_own_crash(tmp_p
     assert "crashed at" not in res.stderr
 
 
+def record_renewing(out: Path, argv: list[object], context_blocks: int) -> Any:
+    """A stream recording through the API, each thread taking a fresh Stalker context after
+    `context_blocks` blocks of the program's compiled in one (renew_context)."""
+    from branchtrace.engines.base import RecordOptions, Target
+    from branchtrace.engines.stalker import StalkerEngine
+
+    options = RecordOptions(output=out, mode=Mode.STREAM, context_blocks=context_blocks)
+    target = Target(argv=tuple(str(a) for a in argv))
+    return StalkerEngine().record(target, options, _Quiet(), threading.Event())
+
+
+def symbolized_branches(path: Path) -> dict[int, list[tuple[int, str, str]]]:
+    """Each thread's branches as (kind, from, to), symbolized: the same for two runs of a
+    program that does the same, wherever ASLR put it."""
+    trace = branchtrace.open(path)
+    out = {}
+    for tid in trace.threads:
+        b, where = trace.branches(tid), trace.modules(tid)
+        sources = where.symbolize(np.asarray(b["from"], np.uint64))
+        targets = where.symbolize(np.asarray(b["to"], np.uint64))
+        out[tid] = list(zip(b["kind"].tolist(), sources, targets, strict=True))
+    return out
+
+
+def test_a_thread_given_a_fresh_stalker_context_loses_and_invents_no_branch(tmp_path, programs):
+    # every 20 blocks compiled, fib's thread jumps from Stalker's code to its refollow stub
+    # and is followed again in a new context: the trace is the one recorded without
+    args = [programs["fib"], 16]
+    plain = record_renewing(tmp_path / "plain", args, 0)
+    renewed = record_renewing(tmp_path / "renewed", args, 20)
+    assert plain.exit_code == renewed.exit_code == 0
+    trace = TraceDir.open(tmp_path / "renewed")
+    (tid,) = trace.threads()
+    assert trace.meta()["contexts_renewed"][str(tid)] > 20
+    assert TraceDir.open(tmp_path / "plain").meta()["contexts_renewed"] == {}
+    assert calls_to(trace, tid, programs["fib"], "fib") == 2 * 1597 - 1
+    (before,), (after,) = (
+        symbolized_branches(tmp_path / "plain").values(),
+        (symbolized_branches(tmp_path / "renewed").values()),
+    )
+    assert after == before and len(after) > 10_000
+    assert_counts_are_the_records(trace)
+
+
+def test_threads_given_fresh_stalker_contexts_keep_their_exact_counts(tmp_path, programs):
+    # each of the 4 threads is followed again after 50 blocks; main, which renews right
+    # after its clone() calls unless it waits (the new thread starts in the old context's
+    # code), died of SIGSEGV 2 runs in 8 without the wait
+    for run in range(3):
+        out = tmp_path / str(run)
+        result = record_renewing(out, [programs["threads"]], 50)
+        assert result.exit_code == 0 and result.signal is None
+        trace = TraceDir.open(out)
+        main, *workers = trace.threads()
+        renewed = trace.meta()["contexts_renewed"]
+        assert renewed[str(main)] > 3 and all(renewed[str(w)] >= 1 for w in workers)
+        counts = sorted(calls_to(trace, w, programs["threads"], "g") for w in workers)
+        assert counts == [1009, 2003, 3001, 4001]
+        assert_counts_are_the_records(trace)
+
+
+def test_a_jit_thread_outgrowing_one_stalker_context_runs_to_its_end(tmp_path, programs):
+    # `jitfork 0 256 600000`: 600,000 new functions, with no more address space than 256
+    # MiB besides what the program has: in one context Stalker runs out of it (killed in
+    # Frida's code, as by its limit of some 2.1 million blocks without one), while a fresh
+    # context every 100,000 blocks frees the code of the last
+    args = [programs["jitfork"], 0, 256, 600_000]
+    native = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=60)
+    assert (native.returncode, native.stdout) == (0, "0 of 0 children ok, 600000 functions run\n")
+    result = record_renewing(tmp_path / "d", args, 100_000)
+    assert result.exit_code == 0 and result.signal is None
+    trace = TraceDir.open(tmp_path / "d")
+    _, jit = trace.threads()
+    assert trace.meta()["contexts_renewed"][str(jit)] >= 5
+    b = branchtrace.open(tmp_path / "d").branches(jit)
+    # the calls of the JIT's functions, 16 bytes apart: every one, each once, in order
+    targets = b["to"][b["kind"] == BranchKind.INDIRECT_CALL].astype(np.int64)
+    assert int((np.diff(targets) == 16).sum()) == 600_000 - 1
+    assert_counts_are_the_records(trace)
+
+
 #: faults.c's modes: the signal, the function that faults, its instruction that does (the
 #: start of capstone's text), and what that instruction did to its memory
 FAULTS = {

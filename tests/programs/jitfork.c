@@ -9,7 +9,8 @@
    4,194,304 of its functions.  Natively that needs none of the room; under Stalker, which
    compiles each new function for the thread and keeps it, the room runs out and Frida's
    code fails inside the thread (README, "A limit of Stalker's": the same failure that
-   about two million blocks bring without a limit). */
+   about two million blocks bring without a limit).  With FUNCTIONS (argv[3]) as well, the
+   JIT thread runs that many functions instead of all of them. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,10 +28,11 @@ volatile long sink;
 __attribute__((noinline)) void f(long i) { sink += i; }
 static int done;
 static long functions_run;
+static long functions_max = CODE_SIZE / FUNCTION_SIZE;
 
 static void *jit(void *arg) {
   unsigned char *code = arg;
-  for (long at = 0; at + FUNCTION_SIZE <= CODE_SIZE && !__atomic_load_n(&done, __ATOMIC_SEQ_CST);
+  for (long at = 0; at < functions_max * FUNCTION_SIZE && !__atomic_load_n(&done, __ATOMIC_SEQ_CST);
        at += FUNCTION_SIZE) {
     unsigned char *fn = code + at;
     int value = (int)(at / FUNCTION_SIZE);
@@ -64,6 +66,8 @@ int main(int argc, char **argv) {
                              MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (code == MAP_FAILED)
     return 2;
+  if (argc > 3 && atol(argv[3]) < functions_max)
+    functions_max = atol(argv[3]);
   if (argc > 2) {
     rlim_t room = (rlim_t)atol(argv[2]) << 20;
     struct rlimit limit = {(rlim_t)mapped_bytes() + room + (16 << 20), 0};

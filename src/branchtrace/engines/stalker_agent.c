@@ -231,6 +231,8 @@ typedef struct {
   int unhook_children;   /* 1: a forked child, not followed, gets its code back */
   int nhooked_pages;     /* the pages that then go back to their files' (bt_note_hooked_pages) */
   uint64_t hooked_pages[BT_HOOKED_PAGES];
+  int renewals_held;     /* bt_hold_renewals(): the recording ends, no context is renewed */
+  int renewals_in_flight; /* threads inside renew_context() */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -2474,7 +2476,17 @@ static void note_renewal(BtThread *t);
 /* put_renewal: the thread, native in its refollow stub's hook, leaves its context and is
    followed in a fresh one from the stub's jump on.  Where the old context's copies of its
    blocks were (BtCopy) is forgotten: the fresh one's code may be placed there. */
+static void leave_at_renewal(BtThread *t);
+
 static void renew_context(BtThread *t) {
+  /* as for fork() (bt_hold_forks_at_entry): Gum lets go of a thread at the end through its
+     context, which an unfollow here would free under it */
+  g_atomic_int_add(&STATE->renewals_in_flight, 1);
+  if (g_atomic_int_add(&STATE->renewals_held, 0)) {
+    g_atomic_int_add(&STATE->renewals_in_flight, -1);
+    leave_at_renewal(t);
+    return;
+  }
   int turn = enter_script();
   t->exec_ctx = NULL;
   bt_unfollow_me();
@@ -2486,6 +2498,32 @@ static void renew_context(BtThread *t) {
   note_renewal(t);
   bt_follow_afresh();
   leave_script(turn);
+  g_atomic_int_add(&STATE->renewals_in_flight, -1);
+}
+
+/* The recording is ending: the thread, native here, does not go back into Stalker but
+   leaves as at its next chunk callout (on_chunk_end) once the host has closed its ring,
+   so that the host, waiting for that (bt_thread_let_go), sees it gone. */
+static void leave_at_renewal(BtThread *t) {
+  for (int waited = 0; !t->closed && waited < 2000; waited++) {
+    long pause[2] = {0, 1000000};
+    syscall(35 /* nanosleep */, pause, NULL);
+  }
+  if (!t->closed || t->left)
+    return;
+  t->left = 1;
+  bt_barrier();
+  uint8_t *ctx = context_to_let_go(t);
+  release_thread(t, 0);
+  if (ctx != NULL)
+    let_go_of_context(ctx);
+}
+
+/* The end of a recording (letGoOfAll in stalker_agent.js): no thread renews its context
+   from now on.  Returns how many are doing so still. */
+int bt_hold_renewals(void) {
+  g_atomic_int_add(&STATE->renewals_held, 1);
+  return g_atomic_int_add(&STATE->renewals_in_flight, 0);
 }
 
 /* The refollow stub, hooked: a thread is there with the registers its handler gave it, or

@@ -21,7 +21,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 1376); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 1384); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -293,6 +293,7 @@ const threadLetGoAsleep = new NativeFunction(cm.bt_thread_let_go_asleep, 'int',
 const threadGap = new NativeFunction(cm.bt_thread_gap, 'void', ['pointer', 'uint32']);
 const threadBlock = new NativeFunction(cm.bt_thread_block, 'void', ['pointer', 'pointer']);
 const threadFarBlocks = new NativeFunction(cm.bt_thread_far_blocks, 'uint64', ['pointer']);
+const holdRenewals = new NativeFunction(cm.bt_hold_renewals, 'int', []);
 const holdForks = new NativeFunction(cm.bt_hold_forks, 'int', ['int']);
 const holdForksAtEntry = new NativeFunction(cm.bt_hold_forks_at_entry, 'int', ['int']);
 const forkTurns = new NativeFunction(cm.bt_fork_turns, 'void', ['int']);
@@ -1188,6 +1189,10 @@ function letGoOfAll() {
   const forksHeldHere = holdForksAtEntry(1) >= 0;
   const forksWaitedFor = Date.now() + 1000;
   while (forksHeldHere && forksInFlight() > 0 && Date.now() < forksWaitedFor) {
+    Thread.sleep(0.001);
+  }
+  // the same for threads taking a fresh Stalker context (renew_context)
+  while (holdRenewals() > 0 && Date.now() < forksWaitedFor) {
     Thread.sleep(0.001);
   }
   try {
