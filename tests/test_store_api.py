@@ -612,3 +612,32 @@ def test_prefault_reads_in_the_start_of_the_data_area_and_of_the_block_table(tmp
     start = table_offset // 4096 * 4096
     assert _resident(ring.path, start, table_offset + (64 << 10) - start).all()
     ring.close()
+
+
+def test_a_store_that_cannot_be_mapped_for_want_of_descriptors_leaves_no_file(tmp_path):
+    # mmap() duplicates the descriptor: with one left, the file is made and the mapping
+    # fails; the recorder's spare rings so made stayed in the recording (under --sched)
+    script = f"""
+import os, resource
+from pathlib import Path
+from branchtrace.errors import NoMemoryError
+from branchtrace.store import Mode, Ring
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+held = []
+while True:
+    try:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+os.close(held.pop())
+try:
+    Ring.create(Path({str(tmp_path)!r}) / "x.bts", 1 << 16, Mode.STREAM, 0)
+except NoMemoryError as e:
+    print("refused:", e)
+print(sorted(p.name for p in Path({str(tmp_path)!r}).iterdir()))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    refused, listing = out.stdout.splitlines()
+    assert refused.startswith("refused: cannot map") and "Too many open files" in refused
+    assert listing == "[]"

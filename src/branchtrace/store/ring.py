@@ -256,7 +256,14 @@ class Ring:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return cls._map(path, fd, total, writable=True)
+        try:
+            return cls._map(path, fd, total, writable=True)
+        except NoMemoryError:
+            # mmap() takes a descriptor of its own, so a recorder out of them got here with
+            # the file made: it stayed (.spare rings left in a recording, under --sched)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, writable: bool = False) -> Ring:
