@@ -377,10 +377,11 @@ def test_crash_trace_reaches_the_faulting_function(tmp_path, programs, mode, tic
 
 def test_a_program_killed_inside_fridas_code_is_not_shown_as_its_own_crash(tmp_path, programs):
     # `jitfork 0 256`: its JIT thread has Stalker compile new functions until the address
-    # space the program left itself runs out: Frida's code then fails in that thread (Gum
-    # writes through the NULL a failed allocation returned; without a limit, the same after
-    # some two million blocks: frida-gum#793).  The summary said "killed by SIGSEGV" and no
-    # more, as for a crash of the program's own whose site was lost.
+    # space the program left itself runs out, before a fresh context would free any: Frida's
+    # code then fails in that thread (Gum writes through the NULL a failed allocation
+    # returned; without a limit, the same after some two million blocks in one context:
+    # frida-gum#793).  The summary said "killed by SIGSEGV" and no more, as for a crash of
+    # the program's own whose site was lost.
     exe, args = programs["jitfork"], ["0", "256"]
     native = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60)
     assert (native.returncode, native.stdout) == (0, "0 of 0 children ok, 4194304 functions run\n")
@@ -457,6 +458,23 @@ def test_threads_given_fresh_stalker_contexts_keep_their_exact_counts(tmp_path, 
         counts = sorted(calls_to(trace, w, programs["threads"], "g") for w in workers)
         assert counts == [1009, 2003, 3001, 4001]
         assert_counts_are_the_records(trace)
+
+
+def test_a_fresh_stalker_context_leaves_the_threads_vector_registers_as_they_were(
+    tmp_path, programs
+):
+    # a thread may be sent off for a fresh context from any block, values live in its
+    # vector registers (libc's AVX string code, doubles), and the agent's C, JavaScript and
+    # libc run before it goes on: renewed every 30 blocks without its stub's XSAVE, printf()
+    # in `forkloop` printed its format ("%d") and this checksum came out different each run
+    native = subprocess.run(
+        [str(programs["vectors"]), "300"], capture_output=True, text=True, check=True
+    )
+    out = tmp_path / "out"
+    result = record_renewing(tmp_path / "d", [programs["vectors"], 300, out], 30)
+    assert result.exit_code == 0
+    assert TraceDir.open(tmp_path / "d").meta()["contexts_renewed"][str(result.pid)] > 300
+    assert out.read_text() == native.stdout
 
 
 def test_a_jit_thread_outgrowing_one_stalker_context_runs_to_its_end(tmp_path, programs):

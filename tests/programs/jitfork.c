@@ -7,10 +7,11 @@
    With ROOM (argv[2], MiB): the process first limits its address space (RLIMIT_AS) to what
    it has mapped plus ROOM and 16 MiB (the JIT thread's stack), and the JIT thread runs all
    4,194,304 of its functions.  Natively that needs none of the room; under Stalker, which
-   compiles each new function for the thread and keeps it, the room runs out and Frida's
-   code fails inside the thread (README, "A limit of Stalker's": the same failure that
-   about two million blocks bring without a limit).  With FUNCTIONS (argv[3]) as well, the
-   JIT thread runs that many functions instead of all of them. */
+   compiles each new function for the thread and keeps it until the thread takes a fresh
+   context (after a million blocks), the room runs out first and Frida's code fails inside
+   the thread (README, "Stalker's limit": the failure that some two million blocks brought
+   in one context without a limit).  With FUNCTIONS (argv[3]) as well, the JIT thread runs
+   that many functions instead of all of them. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -2870,8 +2870,8 @@ def _deaths_in_fridas_code(result: RecordResult, faults: list[dict[str, Any]]) -
                 else ""
             )
             + ": Frida failed there, as Stalker does when it finds no memory for a thread's "
-            'code (after some two million blocks of one thread: README, "A limit of '
-            "Stalker's\"), unless the program handed one of Frida's hooks a bad pointer"
+            "code (README, \"Stalker's limit\"), unless the program handed one of Frida's "
+            "hooks a bad pointer"
         )
     return warnings
 

@@ -58,8 +58,10 @@
  */
 
 #define BT_CHUNK 65536
-/* A thread's refollow stub (bt_new_refollow in stalker_agent.js): 16 bytes of nop that
-   Frida's hook takes, then a jump through the target at this offset (the next page). */
+/* A thread's refollow stub (bt_new_refollow in stalker_agent.js): the thread's vector
+   state saved, 16 bytes of nop from BT_REFOLLOW_HOOK on that Frida's hook takes, the state
+   put back, then a jump through the target at BT_REFOLLOW_TARGET (the next page). */
+#define BT_REFOLLOW_HOOK 64
 #define BT_REFOLLOW_TARGET 4096
 #define WP(t) (*(t)->wpp)
 /* wp points this far past the last slot: a slot is stored as 8 bytes at wp - 4, the block
@@ -2459,7 +2461,7 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
     leave_script(turn);
     static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
     if (t->refollow != NULL)
-      await_hook((uint64_t)t->refollow, nops, "refollow"); /* it is run at once */
+      await_hook((uint64_t)t->refollow + BT_REFOLLOW_HOOK, nops, "refollow"); /* it is run at once */
   }
   if (t->refollow != NULL) {
     *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
@@ -2913,8 +2915,8 @@ static int put_hex_string(char *out, int at, uint64_t v) {
    process is about to die of a fault (or a breakpoint: GLib's g_error()) whose instruction
    is in Frida's agent, where no FAULT record names one of the program's -- Frida's handler
    gave the default action back.  The recorder says so, rather than show the program's
-   crash with no site.  Stalker running out of room for a thread's code is one (README, "A
-   limit of Stalker's"). */
+   crash with no site.  Stalker running out of room for a thread's code is one (README,
+   "Stalker's limit"). */
 static void note_frida_fault(int sig, const uint8_t *info, const uint8_t *uc) {
   uint64_t pc = *(const uint64_t *)(uc + UC_RIP);
   const BtCodeRange *range = code_range(pc);
@@ -3627,7 +3629,7 @@ static void on_renew_stub_needed(GumCpuContext *cpu, gpointer user_data) {
   leave_script(turn);
   static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
   if (t->refollow != NULL)
-    await_hook((uint64_t)t->refollow, nops, "refollow");
+    await_hook((uint64_t)t->refollow + BT_REFOLLOW_HOOK, nops, "refollow");
 }
 
 static void on_renewal(GumCpuContext *cpu, gpointer user_data) {
@@ -3642,7 +3644,7 @@ static int put_renewal(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread 
   if (t->closed || t->leaving ||
       (t->clone_ns != 0 && monotonic_ns() - t->clone_ns < BT_CLONE_GRACE_NS))
     return 0;
-  if (t->refollow == NULL) {
+  if (t->refollow == NULL || t->refollow[BT_REFOLLOW_HOOK] == 0x90 /* not hooked yet */) {
     if (!t->renew_stub_asked)
       gum_stalker_iterator_put_callout(iterator, on_renew_stub_needed, t, NULL);
     t->renew_stub_asked = 1;

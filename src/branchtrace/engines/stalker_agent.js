@@ -225,28 +225,55 @@ function hookHandlerExits() {
     }
   }
 }
-// A thread whose signal handler moved its pc on (bt_on_sigreturn in stalker_agent.c) goes
-// through a stub of its own on its way back: 16 nops, which the hook takes, then a jump to
-// the target the agent writes in the next page (the code's page is not writable, for
-// systems that refuse memory both writable and executable).  Mapped for good (a thread may
-// be on its way there as this script unloads; the stub then just jumps) and cloaked: its
-// code is not the program's and gets no record.
+// A thread whose signal handler moved its pc on (bt_on_sigreturn in stalker_agent.c), or
+// that takes a fresh Stalker context (put_renewal), goes through a stub of its own: it saves
+// the thread's vector and x87 state (XSAVE, else FXSAVE) and the registers that takes, 16
+// nops that the hook takes, the state put back, then a jump to the target the agent writes
+// in the next page (the code's page is not writable, for systems that refuse memory both
+// writable and executable).  The hook's listener runs C, JavaScript and libc's AVX
+// routines, and a thread may be sent there from any block: renewed inside libc's
+// strchrnul(), printf() printed its format ("%d") instead of the number.  Mapped for good
+// (a thread may be on its way there as this script unloads; the stub then just jumps) and
+// cloaked: its code is not the program's and gets no record.
+const REFOLLOW_HOOK = 64; // BT_REFOLLOW_HOOK in stalker_agent.c
+const xsave = /^flags\s*:.*\bxsave\b/m.test(File.readAllText('/proc/cpuinfo'));
 const newRefollow = new NativeCallback(() => {
   const mmap = new NativeFunction(libc('mmap'), 'pointer',
     ['pointer', 'size_t', 'int', 'int', 'int', 'int64']);
-  const page = 4096; // BT_REFOLLOW_TARGET
+  const page = 4096; // BT_REFOLLOW_TARGET: the target, then rax, rcx, rdx, the saved state
   const stub = mmap(NULL, 2 * page, 3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
   if (stub.equals(ptr(-1))) {
     return NULL;
   }
-  const disp = page - 22; // jmp qword [rip + disp]: from the end of the jmp to the target
-  stub.writeByteArray([...new Array(16).fill(0x90), 0xff, 0x25,
-    disp & 0xff, (disp >> 8) & 0xff, 0, 0]);
+  const code = [];
+  const ripTo = (offset, length) => { // disp32 of [rip + disp] to page + offset
+    const disp = page + offset - (code.length + length);
+    code.push(disp & 0xff, (disp >> 8) & 0xff, (disp >> 16) & 0xff, (disp >> 24) & 0xff);
+  };
+  const saving = (rmByte) => {
+    code.push(0x48, 0x89, 0x05); ripTo(8, 4); // mov [rip+..], rax
+    code.push(0x48, 0x89, 0x0d); ripTo(16, 4); // mov [rip+..], rcx
+    code.push(0x48, 0x89, 0x15); ripTo(24, 4); // mov [rip+..], rdx
+    code.push(0x48, 0x8d, 0x0d); ripTo(64, 4); // lea rcx, [rip+..]: the state, 64-aligned
+    // x87, SSE, AVX, AVX-512 (not AMX's tiles, which would not fit)
+    code.push(0xb8, 0xe7, 0, 0, 0, 0xba, 0, 0, 0, 0); // mov eax, 0xe7; mov edx, 0
+    code.push(0x48, 0x0f, 0xae, rmByte); // xsave64/xrstor64 or fxsave64/fxrstor64 [rcx]
+    code.push(0x48, 0x8b, 0x05); ripTo(8, 4); // mov rax, [rip+..]
+    code.push(0x48, 0x8b, 0x0d); ripTo(16, 4);
+    code.push(0x48, 0x8b, 0x15); ripTo(24, 4);
+  };
+  saving(xsave ? 0x21 : 0x01);
+  while (code.length < REFOLLOW_HOOK + 16) {
+    code.push(0x90);
+  }
+  saving(xsave ? 0x29 : 0x09);
+  code.push(0xff, 0x25); ripTo(0, 4); // jmp qword [rip+..]: the target
+  stub.writeByteArray(code);
   if (!Memory.protect(stub, page, 'r-x')) {
     return NULL;
   }
   Cloak.addRange({ base: stub, size: 2 * page });
-  attach(stub, cm.bt_on_refollow);
+  attach(stub.add(REFOLLOW_HOOK), cm.bt_on_refollow);
   return stub;
 }, 'pointer', []);
 const cm = new CModule(PARAMS.cSource, {
