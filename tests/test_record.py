@@ -401,11 +401,14 @@ def test_a_program_killed_inside_fridas_code_is_not_shown_as_its_own_crash(tmp_p
 
 def record_renewing(out: Path, argv: list[object], context_blocks: int) -> Any:
     """A stream recording through the API, each thread taking a fresh Stalker context after
-    `context_blocks` blocks of the program's compiled in one (renew_context)."""
+    `context_blocks` blocks of the program's compiled in one (renew_context).  The program
+    is interrupted after 2 minutes: one whose state a renewal broke may loop for good."""
     from branchtrace.engines.base import RecordOptions, Target
     from branchtrace.engines.stalker import StalkerEngine
 
-    options = RecordOptions(output=out, mode=Mode.STREAM, context_blocks=context_blocks)
+    options = RecordOptions(
+        output=out, mode=Mode.STREAM, context_blocks=context_blocks, duration=120.0
+    )
     target = Target(argv=tuple(str(a) for a in argv))
     return StalkerEngine().record(target, options, _Quiet(), threading.Event())
 
@@ -460,13 +463,15 @@ def test_threads_given_fresh_stalker_contexts_keep_their_exact_counts(tmp_path, 
         assert_counts_are_the_records(trace)
 
 
-def test_a_fresh_stalker_context_leaves_the_threads_vector_registers_as_they_were(
+def test_a_fresh_stalker_context_leaves_the_threads_registers_and_red_zone_as_they_were(
     tmp_path, programs
 ):
-    # a thread may be sent off for a fresh context from any block, values live in its
-    # vector registers (libc's AVX string code, doubles), and the agent's C, JavaScript and
-    # libc run before it goes on: renewed every 30 blocks without its stub's XSAVE, printf()
-    # in `forkloop` printed its format ("%d") and this checksum came out different each run
+    # a thread may be sent off for a fresh context from any block, with values live in its
+    # vector registers (libc's AVX string code, doubles) and under its stack pointer (a leaf
+    # function's locals), and the agent's C, JavaScript and libc run before it goes on:
+    # renewed every 30 blocks without its stub's XSAVE, printf() in `forkloop` printed its
+    # format ("%d") and this checksum came out different each run; without the step below
+    # the red zone, `mix()` lost its loop counter and never returned
     native = subprocess.run(
         [str(programs["vectors"]), "300"], capture_output=True, text=True, check=True
     )

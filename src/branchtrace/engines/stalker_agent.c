@@ -59,9 +59,10 @@
 
 #define BT_CHUNK 65536
 /* A thread's refollow stub (bt_new_refollow in stalker_agent.js): the thread's vector
-   state saved, 16 bytes of nop from BT_REFOLLOW_HOOK on that Frida's hook takes, the state
-   put back, then a jump through the target at BT_REFOLLOW_TARGET (the next page). */
-#define BT_REFOLLOW_HOOK 64
+   state saved and its stack pointer below the red zone, 16 bytes of nop from
+   BT_REFOLLOW_HOOK on that Frida's hook takes, both put back, then a jump through the
+   target at BT_REFOLLOW_TARGET (the next page). */
+#define BT_REFOLLOW_HOOK 80
 #define BT_REFOLLOW_TARGET 4096
 #define WP(t) (*(t)->wpp)
 /* wp points this far past the last slot: a slot is stored as 8 bytes at wp - 4, the block

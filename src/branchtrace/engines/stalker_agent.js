@@ -227,15 +227,16 @@ function hookHandlerExits() {
 }
 // A thread whose signal handler moved its pc on (bt_on_sigreturn in stalker_agent.c), or
 // that takes a fresh Stalker context (put_renewal), goes through a stub of its own: it saves
-// the thread's vector and x87 state (XSAVE, else FXSAVE) and the registers that takes, 16
-// nops that the hook takes, the state put back, then a jump to the target the agent writes
-// in the next page (the code's page is not writable, for systems that refuse memory both
-// writable and executable).  The hook's listener runs C, JavaScript and libc's AVX
-// routines, and a thread may be sent there from any block: renewed inside libc's
-// strchrnul(), printf() printed its format ("%d") instead of the number.  Mapped for good
-// (a thread may be on its way there as this script unloads; the stub then just jumps) and
-// cloaked: its code is not the program's and gets no record.
-const REFOLLOW_HOOK = 64; // BT_REFOLLOW_HOOK in stalker_agent.c
+// the thread's vector and x87 state (XSAVE, else FXSAVE) and the registers that takes, steps
+// below the red zone, runs 16 nops that the hook takes, puts all back and jumps to the target
+// the agent writes in the next page (the code's page is not writable, for systems that
+// refuse memory both writable and executable).  The hook's listener runs C, JavaScript and
+// libc's AVX routines, and pushes onto the stack, and a thread may be sent there from any
+// block: renewed inside libc's strchrnul(), printf() printed its format ("%d") instead of
+// the number, and a leaf function's locals under its stack pointer were overwritten.
+// Mapped for good (a thread may be on its way there as this script unloads; the stub then
+// just jumps) and cloaked: its code is not the program's and gets no record.
+const REFOLLOW_HOOK = 80; // BT_REFOLLOW_HOOK in stalker_agent.c
 const xsave = /^flags\s*:.*\bxsave\b/m.test(File.readAllText('/proc/cpuinfo'));
 const newRefollow = new NativeCallback(() => {
   const mmap = new NativeFunction(libc('mmap'), 'pointer',
@@ -263,9 +264,13 @@ const newRefollow = new NativeCallback(() => {
     code.push(0x48, 0x8b, 0x15); ripTo(24, 4);
   };
   saving(xsave ? 0x21 : 0x01);
+  // below the red zone: a thread may be sent here from inside a leaf function, whose locals
+  // lie under its stack pointer, and the hook pushes onto the stack (as the kernel skips it)
+  code.push(0x48, 0x8d, 0x64, 0x24, 0x80); // lea rsp, [rsp - 128]
   while (code.length < REFOLLOW_HOOK + 16) {
     code.push(0x90);
   }
+  code.push(0x48, 0x8d, 0xa4, 0x24, 0x80, 0, 0, 0); // lea rsp, [rsp + 128]
   saving(xsave ? 0x29 : 0x09);
   code.push(0xff, 0x25); ripTo(0, 4); // jmp qword [rip+..]: the target
   stub.writeByteArray(code);
