@@ -1414,8 +1414,8 @@ class _Recording:
                     self.frida_faults.append({"pid": pid, **event})
                     del self.frida_faults[-1]["type"]
                 elif event.get("type") == "context-renewed":
-                    tid = str(event["tid"])
-                    self.contexts_renewed[tid] = self.contexts_renewed.get(tid, 0) + 1
+                    label = str(event["tid"])
+                    self.contexts_renewed[label] = self.contexts_renewed.get(label, 0) + 1
                 elif event.get("type") == "late-hook":
                     self._error(_LATE_HOOK[str(event["what"])].format(tid=event["tid"], pid=pid))
                 elif event.get("type") == "thread-untraced" and event.get("inFork"):
