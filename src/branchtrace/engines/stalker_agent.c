@@ -2462,7 +2462,7 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
     leave_script(turn);
     static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
     if (t->refollow != NULL)
-      await_hook((uint64_t)t->refollow + BT_REFOLLOW_HOOK, nops, "refollow"); /* it is run at once */
+      await_hook((uint64_t)t->refollow + BT_REFOLLOW_HOOK, nops, "refollow"); /* run at once */
   }
   if (t->refollow != NULL) {
     *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
@@ -2475,12 +2475,11 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
 extern void bt_unfollow_me(void);
 extern void bt_follow_afresh(void);
 static void note_renewal(BtThread *t);
+static void leave_at_renewal(BtThread *t);
 
 /* put_renewal: the thread, native in its refollow stub's hook, leaves its context and is
    followed in a fresh one from the stub's jump on.  Where the old context's copies of its
    blocks were (BtCopy) is forgotten: the fresh one's code may be placed there. */
-static void leave_at_renewal(BtThread *t);
-
 static void renew_context(BtThread *t) {
   /* as for fork() (bt_hold_forks_at_entry): Gum lets go of a thread at the end through its
      context, which an unfollow here would free under it */
@@ -3770,10 +3769,10 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   while (gum_stalker_iterator_next(iterator, &insn)) {
     if (first && is_frida_code(insn->address)) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */
-    } else if (first && t->ctx_blocks >= BT_CONTEXT_BLOCKS &&
+    } else if (first && t->ctx_blocks++ >= BT_CONTEXT_BLOCKS &&
                put_renewal(iterator, cw, t, insn->address)) {
-      return;
-    } else if (first && (t->ctx_blocks++, (insn->address >> BT_BLOCK_ADDR_BITS) != 0)) {
+      return; /* the block is a jump to the refollow stub */
+    } else if (first && (insn->address >> BT_BLOCK_ADDR_BITS) != 0) {
       /* TODO(LA57): only with 5-level paging; counted and reported, never silent */
       t->far_blocks++;
     } else if (first && t->next_id >= t->table_cap) {
