@@ -2431,6 +2431,18 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
    follows the thread again from there: the jump itself and all after it are traced. */
 extern void *bt_new_refollow(void);
 
+/* The thread's refollow stub, made the first time, its hook waited for. */
+static void make_refollow_stub(BtThread *t) {
+  if (t->refollow != NULL)
+    return;
+  int turn = enter_script();
+  t->refollow = bt_new_refollow();
+  leave_script(turn);
+  static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
+  if (t->refollow != NULL)
+    await_hook((uint64_t)t->refollow + BT_REFOLLOW_HOOK, nops, "refollow");
+}
+
 void bt_on_sigreturn(GumInvocationContext *ic) {
   BtThread *t = in_forked_child() ? NULL : current_thread();
   if (t == NULL)
@@ -2456,14 +2468,7 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
   if (depth < 1 || depth > BT_HANDLER_DEPTH || t->handler_uc[depth - 1] != uc ||
       *rip == t->handler_pc[depth - 1] || t->closed || is_frida_code(*rip))
     return;
-  if (t->refollow == NULL) {
-    int turn = enter_script();
-    t->refollow = bt_new_refollow();
-    leave_script(turn);
-    static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
-    if (t->refollow != NULL)
-      await_hook((uint64_t)t->refollow + BT_REFOLLOW_HOOK, nops, "refollow"); /* run at once */
-  }
+  make_refollow_stub(t); /* run at once */
   if (t->refollow != NULL) {
     *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
     *rip = (uint64_t)t->refollow;
@@ -3622,14 +3627,8 @@ static void on_clone(GumCpuContext *cpu, gpointer user_data) {
 
 static void on_renew_stub_needed(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
-  if (t->refollow != NULL || t->closed)
-    return;
-  int turn = enter_script();
-  t->refollow = bt_new_refollow();
-  leave_script(turn);
-  static const uint8_t nops[5] = {0x90, 0x90, 0x90, 0x90, 0x90};
-  if (t->refollow != NULL)
-    await_hook((uint64_t)t->refollow + BT_REFOLLOW_HOOK, nops, "refollow");
+  if (!t->closed)
+    make_refollow_stub(t);
 }
 
 static void on_renewal(GumCpuContext *cpu, gpointer user_data) {
