@@ -15,7 +15,7 @@ import numpy as np
 
 from ..symbols import ModuleMap
 from ..x86 import UNKNOWN, classify
-from .kernels import block_bounds, branch_part, scan_blocks
+from .kernels import BREAK_INTERRUPT, block_bounds, branch_part, scan_blocks
 
 #: aligned (32 bytes a branch): filling 100M packed 25-byte records costs three times more
 BRANCH_DTYPE = np.dtype(
@@ -97,19 +97,21 @@ _CHUNK = 1 << 23  #: blocks decoded at a time, to bound the temporaries
 def branches_of(blocks: Blocks, first: int = 0) -> np.ndarray:
     """Taken transfers between consecutive blocks from block `first` on, oldest first
     (BRANCH_DTYPE); `block` is the index of the block the branch goes to.  Nothing is
-    inferred across a LOST or GAP record; a signal delivery recorded by the step engine
-    is an INTERRUPT branch."""
+    inferred across a LOST or GAP record; a signal delivery is an INTERRUPT branch, and
+    the stalker engine's way back from a handler it traced (rt_sigreturn) a SYSCALL one."""
     first = max(first, 0)
     n = blocks.ids.size - 1 - first
     if n <= 0:
         return np.zeros(0, BRANCH_DTYPE)
-    out = np.empty(n, BRANCH_DTYPE)
-    chunk = min(n, _CHUNK)  # column buffers reused chunk after chunk
+    # a signal that came right after a block's own branch adds that branch
+    interrupts = int((blocks.break_kind == BREAK_INTERRUPT).sum())
+    out = np.empty(n + interrupts, BRANCH_DTYPE)
+    chunk = min(n, _CHUNK) + interrupts  # column buffers reused chunk after chunk
     src, dst = np.empty(chunk, np.uint64), np.empty(chunk, np.uint64)
     kind, block = np.empty(chunk, np.uint8), np.empty(chunk, np.int64)
     total = 0
-    for lo in range(first, blocks.ids.size - 1, chunk):
-        hi = min(lo + chunk, blocks.ids.size - 1)
+    for lo in range(first, blocks.ids.size - 1, chunk - interrupts):
+        hi = min(lo + chunk - interrupts, blocks.ids.size - 1)
         found = branch_part(  # type: ignore[call-arg]
             lo, hi, _HOOK_REACH, *blocks.kernel_args(), src, dst, kind, block
         )

@@ -25,7 +25,7 @@ from ..store.format import (
 )
 
 #: why the chain breaks before a block (scan_blocks' `breaks`)
-BREAK_NONE, BREAK_LOST, BREAK_GAP, BREAK_INTERRUPT = 0, 1, 2, 3
+BREAK_NONE, BREAK_LOST, BREAK_GAP, BREAK_INTERRUPT, BREAK_SIGRETURN = 0, 1, 2, 3, 4
 #: how a call-history segment begins
 HOW_START, HOW_CALL, HOW_RETURN, HOW_TAIL, HOW_UNWIND, HOW_JUMP, HOW_RESUME, HOW_SIGNAL = range(8)
 
@@ -35,6 +35,7 @@ _LOST, _GAP, _BRANCH, _FAR = (
     for t in (RecordType.LOST, RecordType.GAP, RecordType.BRANCH, RecordType.BLOCK_FAR)
 )
 _INTERRUPT = np.uint64(int(BranchKind.INTERRUPT))
+_SYSCALL_KIND = np.uint64(int(BranchKind.SYSCALL))
 _GAP_SIGNAL = np.uint64(int(GapReason.SIGNAL))
 _INTERRUPT_KIND, _CONDITIONAL = int(BranchKind.INTERRUPT), int(BranchKind.CONDITIONAL)
 _NOT_A_BRANCH = 0  #: x86.NOT_A_BRANCH
@@ -99,6 +100,10 @@ def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind
                     pending_detail = w & np.uint64(0xFF)
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _INTERRUPT and i + 1 < n:
                 pending = BREAK_INTERRUPT
+                pending_detail = words[i + 1]
+            elif t == _BRANCH and (w & np.uint64(0xFF)) == _SYSCALL_KIND and i + 1 < n:
+                # the stalker engine's way back from a handler it traced: rt_sigreturn
+                pending = BREAK_SIGRETURN
                 pending_detail = words[i + 1]
             i += 1 + length
             continue
@@ -201,7 +206,8 @@ def branch_part(
     out_block,
 ):  # type: ignore[no-untyped-def]
     """The taken transfers from block i to block i+1 for lo <= i < hi, into the out_*
-    arrays (room for hi - lo); returns how many.  See decode.branches_of."""
+    arrays (room for hi - lo, and one more per INTERRUPT break); returns how many.  See
+    decode.branches_of."""
     nbrk = break_at.size
     j = np.searchsorted(break_at, lo + 1)
     c = 0
@@ -211,10 +217,28 @@ def branch_part(
         while j < nbrk and break_at[j] < i + 1:
             j += 1
         if j < nbrk and break_at[j] == i + 1:
+            x = break_detail[j]
             if break_kind[j] == BREAK_INTERRUPT:
-                out_from[c] = break_detail[j]
+                # a signal that came after block a's own branch (at the first instruction of
+                # the next block): that branch was taken first
+                k = kind[a]
+                src = last[a]
+                taken = not (start[a] < x <= src) and x != src + np.uint64(size[a])
+                if taken and (k != _NOT_A_BRANCH or not (x > src and x - src <= hook_reach)):
+                    out_from[c] = src
+                    out_to[c] = x
+                    out_kind[c] = k if k != _NOT_A_BRANCH else _INTERRUPT_KIND
+                    out_block[c] = i + 1
+                    c += 1
+                out_from[c] = x
                 out_to[c] = start[b]
                 out_kind[c] = _INTERRUPT_KIND
+                out_block[c] = i + 1
+                c += 1
+            elif break_kind[j] == BREAK_SIGRETURN:
+                out_from[c] = x
+                out_to[c] = start[b]
+                out_kind[c] = _SYSCALL
                 out_block[c] = i + 1
                 c += 1
             continue
@@ -281,7 +305,7 @@ def _calls_part(
         if s == seg_block.size:
             why = _FULL_OUTPUT
             break
-        if sp == ret.size:
+        if sp + 2 > ret.size:  # a signal right after a call pushes two frames
             why = _FULL_STACK
             break
         b = ids[i]
@@ -297,6 +321,20 @@ def _calls_part(
             brk = break_kind[j_break]
             resume = break_detail[j_break]
         if brk == BREAK_INTERRUPT:
+            # a signal that came right after a call or a return of block b: that first
+            k = kind[b]
+            fall = last[b] + np.uint64(size[b])
+            if not (start[b] < resume <= last[b]) and resume != fall:
+                if k == _CALL or k == _ICALL:  # noqa: SIM109
+                    ret[sp] = fall
+                    caller[sp] = cur
+                    sp += 1
+                    depth += 1
+                elif k == _RET:
+                    j = _frame_of(ret, sp, resume)
+                    if j >= 0:
+                        depth -= sp - j
+                        sp = j
             # a signal handler entered: like a call that returns to `resume`
             ret[sp] = resume
             caller[sp] = cur
@@ -304,14 +342,15 @@ def _calls_part(
             depth += 1
             how = HOW_SIGNAL
         elif brk != BREAK_NONE:
-            # untraced code ran in between (a GAP) or records were lost: the stack stays,
+            # a traced handler's rt_sigreturn, back to where the signal came; or untraced
+            # code ran in between (a GAP) or records were lost: the stack stays,
             # but where the trace resumes at the return address of a call on it, that call
             # returned meanwhile (fork(), which runs untraced, returns so)
             j = _frame_of(ret, sp, tgt)
             if j >= 0:
                 depth -= sp - j
                 sp = j
-                how = HOW_RESUME
+                how = HOW_RETURN if brk == BREAK_SIGRETURN else HOW_RESUME
             elif nf != cur:
                 how = HOW_RESUME
         else:

@@ -33,7 +33,15 @@ from ..store.format import (
 from ..store.tracedir import TraceDir, thread_label
 from ..symbols import ModuleMap
 from .decode import Blocks, branches_of, scan
-from .kernels import BREAK_GAP, BREAK_INTERRUPT, BREAK_LOST, HOW_CALL, HOW_TAIL, call_segments
+from .kernels import (
+    BREAK_GAP,
+    BREAK_INTERRUPT,
+    BREAK_LOST,
+    BREAK_SIGRETURN,
+    HOW_CALL,
+    HOW_TAIL,
+    call_segments,
+)
 
 CALL_DTYPE = np.dtype(
     [
@@ -316,9 +324,10 @@ class Trace:
     def breaks(self, tid: int) -> np.ndarray:
         """Where the thread's chain of blocks breaks, oldest first (BREAK_DTYPE): records
         were lost there, or code ran untraced (fork()).  No branch is inferred across a
-        break.  A signal the step engine saw delivered is a branch (INTERRUPT), not a break."""
+        break.  A signal delivered to a traced handler is a branch (INTERRUPT), and so is
+        the handler's way back (rt_sigreturn, SYSCALL): not breaks."""
         blocks = self.blocks(tid)
-        keep = blocks.break_kind != BREAK_INTERRUPT
+        keep = (blocks.break_kind != BREAK_INTERRUPT) & (blocks.break_kind != BREAK_SIGRETURN)
         out = np.zeros(int(keep.sum()), BREAK_DTYPE)
         out["block"] = blocks.break_at[keep]
         kind, detail = blocks.break_kind[keep], blocks.break_detail[keep]

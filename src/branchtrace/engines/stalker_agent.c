@@ -128,6 +128,14 @@ typedef struct {
   int renewing;          /* on its way to the refollow stub to get a fresh context */
   int renew_stub_asked;  /* a callout asked for the refollow stub, for renew_context */
   int64_t clone_ns;      /* when it last entered clone() or clone3() (put_renewal) */
+  /* for each handler entered, where in Stalker's copy the interrupted code goes on (0: the
+     handler ran natively), and the last instruction of the block it was in (0: the
+     handler came before the block's record), so that its return is traced (bt_signal_enter) */
+  uint64_t handler_copy[BT_HANDLER_DEPTH];
+  uint64_t handler_last[BT_HANDLER_DEPTH];
+  uint8_t *handler_ctx[BT_HANDLER_DEPTH];
+  uint64_t ret_copy;     /* a `ret` of the program's compiled in `ret_copy_ctx` */
+  uint8_t *ret_copy_ctx;
 } BtThread;
 
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
@@ -2358,7 +2366,26 @@ static void note_handler(void *handler) {
 
 static void note_program_action(int sig, void *handler, uint64_t flags, uint64_t mask);
 
+/* A call of sigaction() or signal(): what it asked, for its return (bt_after_sigaction). */
+typedef struct {
+  int sig;
+  uint8_t *old;  /* sigaction()'s old action, or NULL */
+  uint64_t prev; /* the handler behind the signal stub as the call began */
+} BtSigactionCall;
+
+static uint64_t handler_adopted(int sig);
+static void adopt_handler(int sig, uint64_t expected);
+extern uint8_t bt_sigstub[];
+
+static void begin_sigaction_call(GumInvocationContext *ic, int sig, uint8_t *old) {
+  BtSigactionCall *call = GUM_IC_GET_INVOCATION_DATA(ic, BtSigactionCall);
+  call->sig = sig;
+  call->old = old;
+  call->prev = handler_adopted(sig);
+}
+
 static void on_signal(GumInvocationContext *ic, uint64_t flags) {
+  begin_sigaction_call(ic, (int)(uint64_t)gum_invocation_context_get_nth_argument(ic, 0), NULL);
   void *handler = gum_invocation_context_get_nth_argument(ic, 1);
   note_handler(handler);
   note_program_action((int)(uint64_t)gum_invocation_context_get_nth_argument(ic, 0), handler,
@@ -2375,12 +2402,31 @@ void bt_on_sysv_signal(GumInvocationContext *ic) {
 
 void bt_on_sigaction(GumInvocationContext *ic) { /* sigaction(sig, act, old) */
   uint8_t *act = gum_invocation_context_get_nth_argument(ic, 1);
+  begin_sigaction_call(ic, (int)(uint64_t)gum_invocation_context_get_nth_argument(ic, 0),
+                       gum_invocation_context_get_nth_argument(ic, 2));
   if (act == NULL)
     return;
   note_handler(*(void **)act); /* sa_handler / sa_sigaction: the union at offset 0 */
   /* glibc's struct sigaction: the mask (the kernel's 64 bits of it) at 8, the flags at 136 */
   note_program_action((int)(uint64_t)gum_invocation_context_get_nth_argument(ic, 0),
                       *(void **)act, *(uint32_t *)(act + 136), *(uint64_t *)(act + 8));
+}
+
+/* The program asked for a signal's action: it is told its own handler, not the signal
+   stub, and a handler it set goes behind the stub. */
+void bt_after_sigaction(GumInvocationContext *ic) {
+  BtSigactionCall *call = GUM_IC_GET_INVOCATION_DATA(ic, BtSigactionCall);
+  if (call->old != NULL && call->prev != 0 && *(uint64_t *)call->old == (uint64_t)bt_sigstub)
+    *(uint64_t *)call->old = call->prev;
+  adopt_handler(call->sig, 0);
+}
+
+void bt_after_signal(GumInvocationContext *ic) {
+  BtSigactionCall *call = GUM_IC_GET_INVOCATION_DATA(ic, BtSigactionCall);
+  if (call->prev != 0 &&
+      (uint64_t)gum_invocation_context_get_return_value(ic) == (uint64_t)bt_sigstub)
+    gum_invocation_context_replace_return_value(ic, (gpointer)call->prev);
+  adopt_handler(call->sig, 0);
 }
 
 /* A handler entered in the middle of a record sequence (a timer signal can land anywhere),
@@ -2398,11 +2444,19 @@ static int finish_interrupted_record(BtThread *t, uint8_t *uc);
 void bt_on_handler_entry(GumInvocationContext *ic) {
   if (in_forked_child())
     return;
+  uint8_t *uc = gum_invocation_context_get_nth_argument(ic, 2); /* SA_SIGINFO or not */
   BtThread *t = current_thread();
+  int depth = t == NULL ? 0 : t->handlers_running;
+  if (depth > 0 && depth <= BT_HANDLER_DEPTH && t->handler_copy[depth - 1] != 0 &&
+      t->handler_uc[depth - 1] == (uint64_t)uc)
+    return; /* entered traced, through the signal stub (bt_signal_enter) */
+  /* a handler set by a system call of the program's own (or whose signal the kernel gave
+     before the stub took it): the stub takes it for its next runs */
+  adopt_handler((int)(uint64_t)gum_invocation_context_get_nth_argument(ic, 0),
+                (uint64_t)ic->function);
   if (t == NULL || t->closed)
     return;
   t->handlers_running++;
-  uint8_t *uc = gum_invocation_context_get_nth_argument(ic, 2); /* SA_SIGINFO or not */
   if (!t->in_c) {
     enter_c(t);
     if (!t->closed)
@@ -2414,12 +2468,162 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
       read_safely(uc + UC_RIP, &pc, 8)) {
     t->handler_uc[t->handlers_running - 1] = (uint64_t)uc;
     t->handler_pc[t->handlers_running - 1] = pc;
+    t->handler_copy[t->handlers_running - 1] = 0;
   }
   if (t->in_c || (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */) {
     t->signal_gaps_due++;
     return;
   }
   bt_thread_gap(t, BT_GAPREASON_SIGNAL);
+}
+
+/* Signal handlers traced.  The kernel enters a handler natively, so for each signal whose
+   handler the program set (not the fault signals, which on_fault() takes), the kernel is
+   given the agent's signal stub instead (bt_sigstub in the script; the program's handler
+   is in the stub's table), which calls bt_signal_enter.  When the thread was interrupted in
+   Stalker's copy of its code exactly where one of the program's instructions begins (no
+   state of Gum's in flight there), the stub "returns" into the copy of a `ret` that Stalker
+   compiled for the thread, with the handler's address on the stack: Gum's code for the
+   `ret` looks the handler up in the thread's own context, and the handler runs traced, as
+   a call from that point.  The handler sees the program's pc in its frame, not the copy's;
+   the restorer puts the copy back (bt_on_sigreturn).  Anywhere else (Gum's or the agent's
+   own code, a system call Stalker left out) the handler runs natively as before, marked by
+   a GAP (bt_on_handler_entry). */
+extern uint8_t bt_sigstub[];
+static int fault_index(int sig);
+static int is_syscall_at(uint64_t address);
+#define BT_SIGSTUB_ENTER 4096      /* bt_signal_enter, 0 once the recording has ended */
+#define BT_SIGSTUB_MAGIC 4104
+#define BT_SIGSTUB_NATIVE_RET 4112 /* a `ret` of the stub's: to the handler, natively */
+#define BT_SIGSTUB_RESTORER_SYSCALL 4120 /* (restorer_syscall) */
+#define BT_SIGSTUB_HANDLERS 4160   /* the program's handler for each signal 1-64 */
+#define BT_SIGSTUB_MAGIC_VALUE 0x6274736967737462ULL
+#define SA_RESTORER_FLAG 0x04000000ULL
+
+static uint64_t *stub_slot(uint64_t offset) {
+  return (uint64_t *)(bt_sigstub + offset);
+}
+
+/* The program's handler behind `handler` when that is an agent's signal stub (this
+   recording's, or the one a recording of a parent process left in a forked child). */
+static uint64_t handler_behind(int sig, uint64_t handler) {
+  uint64_t magic = 0, behind = 0;
+  if ((handler & 4095) == 0 &&
+      read_safely((const void *)(handler + BT_SIGSTUB_MAGIC), &magic, 8) &&
+      magic == BT_SIGSTUB_MAGIC_VALUE &&
+      read_safely((const void *)(handler + BT_SIGSTUB_HANDLERS + 8 * sig), &behind, 8))
+    return behind;
+  return handler;
+}
+
+/* Give the kernel the signal stub for `sig` in place of the program's handler, keeping its
+   flags, mask and restorer.  Only with the restorer whose hook brings the thread back into
+   its copy (bt_on_sigreturn): another (Go's) keeps its handler, run natively.  `expected`:
+   the handler whose entry hook calls this, inside a signal handler, where the script (which
+   is_frida_code() may ask) must not be waited for. */
+static void adopt_handler(int sig, uint64_t expected) {
+  BtSigaction now;
+  if (sig < 1 || sig > 64 || fault_index(sig) >= 0 || in_forked_child() ||
+      *stub_slot(BT_SIGSTUB_ENTER) == 0 || syscall(13 /* rt_sigaction */, sig, NULL, &now, 8) != 0)
+    return;
+  uint64_t handler = (uint64_t)now.handler, restorer = bt_fault_restorer();
+  if (handler <= 1 || handler == (uint64_t)bt_sigstub || restorer == 0 ||
+      (uint64_t)now.restorer != restorer || !(now.flags & SA_RESTORER_FLAG))
+    return;
+  if (expected != 0 ? handler != expected
+                    : (handler = handler_behind(sig, handler)) <= 1 || is_frida_code(handler))
+    return;
+  stub_slot(BT_SIGSTUB_HANDLERS)[sig] = handler;
+  now.handler = bt_sigstub;
+  syscall(13, sig, &now, NULL, 8);
+}
+
+/* The restorer's system call instruction (rt_sigreturn), or 0.  Its hook runs the
+   instructions before it relocated and jumps back to it: the block Stalker compiles there
+   gets no record, as the restorer's hook writes the way back (bt_on_sigreturn). */
+static uint64_t restorer_syscall(void) {
+  uint64_t *found = stub_slot(BT_SIGSTUB_RESTORER_SYSCALL); /* (the module's data is not
+                                                               writable) */
+  uint64_t restorer = *found == 0 ? bt_fault_restorer() : 0;
+  for (int k = 0; restorer != 0 && k < 14; k++)
+    if (is_syscall_at(restorer + k)) {
+      *found = restorer + k;
+      break;
+    }
+  return *found;
+}
+
+static uint64_t handler_adopted(int sig) {
+  return sig >= 1 && sig <= 64 ? stub_slot(BT_SIGSTUB_HANDLERS)[sig] : 0;
+}
+
+/* The end of the recording: the program's handlers go back into the kernel; a signal the
+   stub is given meanwhile goes to the handler natively. */
+void bt_restore_handlers(void) {
+  if (in_forked_child())
+    return;
+  *stub_slot(BT_SIGSTUB_ENTER) = 0;
+  for (int sig = 1; sig <= 64; sig++) {
+    BtSigaction now;
+    uint64_t handler = stub_slot(BT_SIGSTUB_HANDLERS)[sig];
+    if (handler != 0 && syscall(13, sig, NULL, &now, 8) == 0 &&
+        now.handler == (void *)bt_sigstub) {
+      now.handler = (void *)handler;
+      syscall(13, sig, &now, NULL, 8);
+    }
+  }
+}
+
+static void write_branch(BtThread *t, uint64_t kind, uint64_t from, uint64_t to) {
+  if (t->closed)
+    return;
+  enter_c(t);
+  if (!t->closed) {
+    sync_head(t);
+    uint64_t rec[3] = {bt_escape(BT_RECORDTYPE_BRANCH, 2, kind), from & BT_PAYLOAD_MASK,
+                       to & BT_PAYLOAD_MASK};
+    write_counted(t, rec, 3);
+    refill(t);
+  }
+  leave_c(t);
+}
+
+static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, int *at_start);
+
+/* From the signal stub, on the handler's frame: out[0] is where the stub goes, out[1] the
+   handler (the stub's `ret` takes out[0], Gum's or its own `ret` out[1]). */
+void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
+  uint64_t handler = sig >= 1 && sig <= 64 ? stub_slot(BT_SIGSTUB_HANDLERS)[sig] : 0;
+  out[0] = *stub_slot(BT_SIGSTUB_NATIVE_RET);
+  out[1] = handler;
+  if (in_forked_child() || handler == 0)
+    return;
+  BtThread *t = current_thread();
+  if (t == NULL || t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
+      g_atomic_int_add(&STATE->renewals_held, 0))
+    return;
+  enter_c(t);
+  if (!t->closed)
+    finish_interrupted_record(t, uc);
+  exit_c(t);
+  uint64_t *rip = (uint64_t *)(uc + UC_RIP);
+  uint64_t last = 0;
+  int at_start = 0;
+  uint64_t from = copied_instruction_at(t, *rip, &last, &at_start);
+  if (from == 0 || (!at_start && last == 0) || t->ret_copy == 0 ||
+      t->ret_copy_ctx != t->exec_ctx || t->exec_ctx == NULL ||
+      (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */)
+    return; /* natively, marked by a GAP */
+  write_branch(t, BT_KIND_INTERRUPT, from, handler);
+  int depth = t->handlers_running;
+  t->handler_uc[depth] = (uint64_t)uc;
+  t->handler_pc[depth] = from;
+  t->handler_copy[depth] = *rip;
+  t->handler_last[depth] = at_start ? 0 : last;
+  t->handler_ctx[depth] = t->exec_ctx;
+  t->handlers_running = depth + 1;
+  *rip = from; /* what the handler sees (Go's runtime reads it) */
+  out[0] = t->ret_copy;
 }
 
 /* A handler runs outside Stalker, and one that returns goes back into Stalker's copy of
@@ -2453,6 +2657,24 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
   /* the restorer is entered with the stack pointer at the signal frame's ucontext */
   uint64_t uc = ic->cpu_context->rsp;
   uint64_t *rip = (uint64_t *)(uc + UC_RIP);
+  if (depth >= 1 && depth <= BT_HANDLER_DEPTH && t->handler_copy[depth - 1] != 0 &&
+      t->handler_uc[depth - 1] == uc) {
+    /* a handler run traced (bt_signal_enter) returns: back into the copy, the way back
+       recorded as the step engine records it -- the restorer's system call, then the rest
+       of the block the handler interrupted */
+    uint64_t from = restorer_syscall(), copy = t->handler_copy[depth - 1];
+    if (*rip == t->handler_pc[depth - 1] && t->handler_ctx[depth - 1] == t->exec_ctx &&
+        !t->closed && !t->leaving) {
+      write_branch(t, BT_KIND_SYSCALL, from, *rip);
+      if (t->handler_last[depth - 1] != 0)
+        write_block_far(t, *rip | ((t->handler_last[depth - 1] - *rip) << BT_BLOCK_ADDR_BITS));
+      *rip = copy;
+      return;
+    }
+    if (t->closed || t->leaving)
+      return; /* Stalker lets go of the thread: on natively where the frame says */
+    t->handler_pc[depth - 1] = 0; /* moved, or its context renewed: followed again below */
+  }
   uint64_t resume = t->fault_resume;
   t->fault_resume = 0;
   if (resume != 0 && *rip == t->fault_ip) {
@@ -2552,8 +2774,13 @@ void bt_on_longjmp(GumInvocationContext *ic) {
   BtThread *t = in_forked_child() ? NULL : current_thread();
   if (t == NULL || t->handlers_running == 0)
     return;
+  int untraced = 0;
+  for (int i = 0; i < t->handlers_running && i < BT_HANDLER_DEPTH; i++)
+    untraced |= t->handler_copy[i] == 0;
   t->handlers_running = 0;
   rearm_altstack(t);
+  if (!untraced)
+    return; /* out of handlers run traced: the jump is in the trace */
   bt_thread_gap(t, BT_GAPREASON_LEFT_HANDLER);
   write_block_far(t, (uint64_t)ic->function); /* what the hook ran relocated (bt_on_tls_dtors) */
   bt_follow_again();
@@ -2614,6 +2841,32 @@ static uint64_t program_address(BtThread *t, uint64_t pc) {
   return 0;
 }
 
+/* The program's instruction whose copy starts exactly at `pc` (0: none), and the last
+   instruction of its block (`last`, 0: not known).  `at_start`: `pc` is the block's first,
+   before the code of its record: the record is then still to be written. */
+static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, int *at_start) {
+  for (const BtCopyChunk *c = t->copies; c != NULL; c = c->prev) {
+    const BtCopy *found = NULL;
+    for (uint64_t at = 0; at < c->used;) {
+      const BtCopy *e = (const BtCopy *)((const uint8_t *)(c + 1) + at);
+      if (pc >= e->copy && pc - e->copy < e->copy_size)
+        found = e;
+      at += (sizeof(BtCopy) + 4 * e->n + 7) & ~7ULL;
+    }
+    if (found == NULL || found->n == 0)
+      continue;
+    for (unsigned k = 0; k < found->n; k++) {
+      if (found->copy + found->offsets[k] != pc)
+        continue;
+      *at_start = k == 0;
+      *last = found->whole ? found->start + found->offsets[2 * found->n - 1] : 0;
+      return found->start + found->offsets[found->n + k];
+    }
+    return 0;
+  }
+  return 0;
+}
+
 static int is_syscall_at(uint64_t address) {
   uint8_t code[2];
   return read_safely((const void *)address, code, 2) && code[0] == 0x0f && code[1] == 0x05;
@@ -2656,10 +2909,11 @@ void bt_note_set_handlers(void) {
     uint8_t old[152] = {0}; /* glibc's struct sigaction, as in bt_on_sigaction */
     if (sigaction(sig, NULL, old) != 0)
       continue; /* SIGKILL, SIGSTOP, glibc's own (32, 33) */
-    void *handler = *(void **)old;
+    void *handler = (void *)handler_behind(sig, *(uint64_t *)old);
     if ((uint64_t)handler <= 1 || is_frida_code((uint64_t)handler))
       continue;
     note_handler(handler);
+    adopt_handler(sig, 0);
     int i = fault_index(sig);
     if (i >= 0 && !(STATE->program_known >> i & 1))
       note_program_action(sig, handler, *(uint32_t *)(old + 136), *(uint64_t *)(old + 8));
@@ -3640,7 +3894,7 @@ static void on_renewal(GumCpuContext *cpu, gpointer user_data) {
 
 static int put_renewal(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
                        uint64_t start) {
-  if (t->closed || t->leaving ||
+  if (t->closed || t->leaving || t->handlers_running > 0 ||
       (t->clone_ns != 0 && monotonic_ns() - t->clone_ns < BT_CLONE_GRACE_NS))
     return 0;
   if (t->refollow == NULL || t->refollow[BT_REFOLLOW_HOOK] == 0x90 /* not hooked yet */) {
@@ -3766,7 +4020,9 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     t->ctx_blocks = 0;
   t->exec_ctx = exec_ctx; /* (context_to_let_go) */
   while (gum_stalker_iterator_next(iterator, &insn)) {
-    if (first && is_frida_code(insn->address)) {
+    int is_first = first;
+    if (first && (is_frida_code(insn->address) ||
+                  (t->handlers_running > 0 && insn->address == restorer_syscall()))) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */
     } else if (first && t->ctx_blocks++ >= BT_CONTEXT_BLOCKS &&
                put_renewal(iterator, cw, t, insn->address)) {
@@ -3812,6 +4068,10 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     if (insn->size == 5 && insn->bytes[0] == 0xe8 && STATE->tls_dtors != 0
         && insn->address + 5 + *(const int32_t *)&insn->bytes[1] == STATE->tls_dtors)
       gum_stalker_iterator_put_callout(iterator, on_thread_ending, t, NULL);
+    if (copy != 0 && !is_first && insn->size == 1 && insn->bytes[0] == 0xc3) {
+      t->ret_copy = cw->pc; /* no prolog of Gum's is open here (bt_signal_enter) */
+      t->ret_copy_ctx = exec_ctx;
+    }
     gum_stalker_iterator_keep(iterator);
   }
   if (tail_slow)

@@ -281,6 +281,50 @@ const newRefollow = new NativeCallback(() => {
   attach(stub.add(REFOLLOW_HOOK), cm.bt_on_refollow);
   return stub;
 }, 'pointer', []);
+// The signal stub: the kernel's handler for the signals whose handlers the program set
+// (bt_signal_enter in stalker_agent.c), with its data in the next page: bt_signal_enter's
+// address (0 once the recording has ended: the handler then runs natively), a magic, a
+// `ret` of the stub's, and the program's handler for each signal.  Mapped for good, as the
+// refollow stub: a signal may be on its way there as this script unloads.
+const sigStub = (() => {
+  const mmap = new NativeFunction(libc('mmap'), 'pointer',
+    ['pointer', 'size_t', 'int', 'int', 'int', 'int64']);
+  const page = 4096;
+  const stub = mmap(NULL, 2 * page, 3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+  if (stub.equals(ptr(-1))) {
+    throw new Error('no memory for the signal stub');
+  }
+  const code = [];
+  const ripTo = (target, length) => { // disp32 of [rip + disp] to stub + target
+    const disp = target - (code.length + length);
+    code.push(disp & 0xff, (disp >> 8) & 0xff, (disp >> 16) & 0xff, (disp >> 24) & 0xff);
+  };
+  code.push(0x48, 0x83, 0xec, 0x10); // sub rsp, 16: out[2], where the stub goes and the handler
+  code.push(0x57, 0x56, 0x52); // push rdi; push rsi; push rdx (the stack is 16-aligned now)
+  code.push(0x48, 0x8d, 0x4c, 0x24, 0x18); // lea rcx, [rsp+24]: out
+  code.push(0x48, 0x8b, 0x05); ripTo(page, 4); // mov rax, [bt_signal_enter]
+  code.push(0x48, 0x85, 0xc0, 0x74, 0x08); // test rax, rax; jz native
+  code.push(0xff, 0xd0); // call rax
+  code.push(0x5a, 0x5e, 0x5f, 0x31, 0xc0, 0xc3); // pop rdx; pop rsi; pop rdi; xor eax, eax; ret
+  code.push(0x5a, 0x5e, 0x5f); // native: pop rdx; pop rsi; pop rdi
+  code.push(0x48, 0x8d, 0x05); const nativeRetFixup = code.length; ripTo(0, 4); // lea rax, [ret]
+  code.push(0x48, 0x89, 0x04, 0x24); // mov [rsp], rax
+  code.push(0x48, 0x8d, 0x05); ripTo(page + 64, 4); // lea rax, [handlers]
+  code.push(0x48, 0x8b, 0x04, 0xf8); // mov rax, [rax + rdi*8]
+  code.push(0x48, 0x89, 0x44, 0x24, 0x08, 0x31, 0xc0, 0xc3); // mov [rsp+8], rax; xor eax, eax; ret
+  const nativeRet = code.length;
+  code.push(0xc3);
+  const disp = nativeRet - (nativeRetFixup + 4);
+  code.splice(nativeRetFixup, 4, disp & 0xff, (disp >> 8) & 0xff, 0, 0);
+  stub.writeByteArray(code);
+  stub.add(page + 8).writeU64(uint64('0x6274736967737462'));
+  stub.add(page + 16).writePointer(stub.add(nativeRet));
+  if (!Memory.protect(stub, page, 'r-x')) {
+    throw new Error('the signal stub cannot be made executable');
+  }
+  Cloak.addRange({ base: stub, size: 2 * page });
+  return stub;
+})();
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
   bt_new_handler: newHandler,
@@ -293,6 +337,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_unfollow_me: unfollowMe,
   bt_follow_afresh: followAfresh,
   bt_new_refollow: newRefollow,
+  bt_sigstub: sigStub,
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
   syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),
@@ -790,10 +835,14 @@ if (tlsDtors !== null) {
 for (const name of ['signal', 'sysv_signal', 'bsd_signal']) {
   const f = Module.findGlobalExportByName(name);
   if (f !== null) {
-    attach(f, { onEnter: name === 'sysv_signal' ? cm.bt_on_sysv_signal : cm.bt_on_signal });
+    attach(f, {
+      onEnter: name === 'sysv_signal' ? cm.bt_on_sysv_signal : cm.bt_on_signal,
+      onLeave: cm.bt_after_signal,
+    });
   }
 }
-attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction });
+attach(libc('sigaction'), { onEnter: cm.bt_on_sigaction, onLeave: cm.bt_after_sigaction });
+sigStub.add(4096).writePointer(cm.bt_signal_enter);
 new NativeFunction(cm.bt_note_set_handlers, 'void', [])();
 
 // fork(): handled in C, because no JavaScript can run in a forked child (unless Frida gates
@@ -1215,6 +1264,7 @@ function unfollowAll() {
 }
 function letGoOfAll() {
   tracing = false;
+  new NativeFunction(cm.bt_restore_handlers, 'void', [])();
   // fork()s wait at their entry meanwhile, and those past it are waited for (1 s at most):
   // a thread unfollowing itself in beforeFork frees the Stalker context that Gum's unfollow
   // and invalidate of the thread below are using (bt_hold_forks_at_entry)
