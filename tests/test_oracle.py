@@ -72,9 +72,8 @@ def record(out: Path, engine: str, program: Path, *args: str) -> subprocess.Comp
     )
 
 
-def exe_branches(trace: branchtrace.Trace, tid: int, exe: str, handlers: bool = True) -> list:
-    """(from module, offset, to module, offset, kind) of each branch touching `exe`.
-    `handlers=False`: without the branches of signal handlers (see without_handlers)."""
+def exe_branches(trace: branchtrace.Trace, tid: int, exe: str) -> list:
+    """(from module, offset, to module, offset, kind) of each branch touching `exe`."""
     modules = trace.modules(tid)
     b = trace.branches(tid)
     names = [Path(p).name for p in modules.paths]
@@ -90,29 +89,12 @@ def exe_branches(trace: branchtrace.Trace, tid: int, exe: str, handlers: bool = 
         for i, f, t in zip(range(b.size), mf.tolist(), mt.tolist(), strict=True)
         if f >= 0 and t >= 0
     ]
-    if not handlers:
-        rows = without_handlers(rows)
     return [r for r in rows if exe in (r[0], r[2])]
-
-
-def without_handlers(rows: list[tuple]) -> list[tuple]:
-    """The step engine traces signal handlers; Stalker marks them with a GAP instead.  Drop
-    each handler's branches: from the INTERRUPT to the sigreturn back to where it was."""
-    out: list[tuple] = []
-    resume = None
-    for row in rows:
-        if resume is None and row[4] == "INTERRUPT":
-            resume = (row[0], row[1])
-        elif resume is not None and row[4] == "SYSCALL" and (row[2], row[3]) == resume:
-            resume = None
-        elif resume is None:
-            out.append(row)
-    return out
 
 
 def exe_calls(trace: branchtrace.Trace, tid: int, exe: str) -> list[str]:
     """The executable's functions as the call history enters them, in order; a signal
-    handler's calls are left out (see without_handlers)."""
+    handler's calls are left out."""
     history = trace.calls(tid)
     seg = history.segments
     names = []
@@ -207,7 +189,7 @@ def test_stalker_matches_the_step_oracle(tmp_path, programs, name):
         for trace, tid in ((step, t_step), (stalker, t_stalker)):
             problems, checked = discontinuities(trace, tid)  # every module, libc's too
             assert checked > 50 and not problems, problems[:10]
-        reference = exe_branches(step, t_step, exe, handlers=False)
+        reference = exe_branches(step, t_step, exe)  # handlers run traced by both
         assert len(reference) > 3
         assert exe_branches(stalker, t_stalker, exe) == reference
         step_calls = exe_calls(step, t_step, exe)

@@ -26,8 +26,10 @@ import pytest
 from conftest import build, fixture_flags, in_process, recorded_burst
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_oracle import discontinuities
 
 import branchtrace
+from branchtrace.analysis.kernels import HOW_SIGNAL
 from branchtrace.cli.signals import setting_on
 from branchtrace.engines import stalker
 from branchtrace.store import BranchKind, Mode, RecordType, Ring, parse_words
@@ -124,6 +126,19 @@ def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
     assert address is not None, f"{function} not found in {program}"
     b = branchtrace.open(trace.path).branches(tid)
     return int(((b["to"] == address) & (b["kind"] == BranchKind.CALL)).sum())
+
+
+def handler_runs(path: Path) -> int:
+    """Signal handler runs that interrupted a traced thread: traced (an INTERRUPT record) or
+    run natively (a GAP record of reason signal), every thread."""
+    trace = TraceDir.open(path)
+    runs = 0
+    for tid in trace.threads():
+        recs = parse_words(*trace.words(tid))
+        interrupts = (recs["type"] == RecordType.BRANCH) & (recs["arg"] == BranchKind.INTERRUPT)
+        gaps = (recs["type"] == RecordType.GAP) & (recs["arg"] == GapReason.SIGNAL)
+        runs += int(interrupts.sum() + gaps.sum())
+    return runs
 
 
 def assert_counts_are_the_records(trace: TraceDir, decode: bool = True) -> None:
@@ -778,7 +793,7 @@ def test_a_handler_on_a_signal_stack_the_program_never_set_has_a_thread_stacks_r
     # thread's stack; traced, on the agent's, which was 64 KiB: the program died of SIGSEGV
     native, res = untraced_then_traced(tmp_path / "d", str(programs["onstack"]))
     assert (res.returncode, res.stdout) == (native.returncode, native.stdout) == (0, "handled 2\n")
-    assert "signal handlers ran 2 times untraced" in res.stderr
+    assert handler_runs(tmp_path / "d") == 2, res.stderr
 
 
 @pytest.mark.parametrize("engine", ["stalker", "step"])
@@ -3311,18 +3326,25 @@ def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, 
     assert_counts_are_the_records(trace)
     assert calls_to(trace, tid, programs["alarm"], "f") == n
     words, pos = trace.words(tid)
-    gaps = int((parse_words(words, pos)["type"] == RecordType.GAP).sum())
-    assert trace.meta()["threads"][str(tid)]["gaps"] == {"signal": gaps}
-    # the runs on the agent's own threads (ticks - main_ticks) interrupted no traced code
-    assert gaps == main_ticks
-    # and each GAP sits where its handler run interrupted the loop: after the blocks of the
-    # calls of f that had begun (`at` of them, or one fewer), not a chunk later
     recs = parse_words(words, pos)
+    gaps = int((recs["type"] == RecordType.GAP).sum())
+    assert trace.meta()["threads"][str(tid)]["gaps"] in ({"signal": gaps}, {})
+    # the runs on the agent's own threads (ticks - main_ticks) interrupted no traced code;
+    # each other one ran traced (interrupted at one of the program's instructions) or
+    # natively, marked by a GAP
+    entered = (recs["type"] == RecordType.GAP) | (
+        (recs["type"] == RecordType.BRANCH) & (recs["arg"] == BranchKind.INTERRUPT)
+    )
+    assert int(entered.sum()) == main_ticks
+    # and each sits where its handler run interrupted the loop: after the blocks of the
+    # calls of f that had begun (`at` of them, or one fewer), not a chunk later
     f = modules(trace, tid).runtime_address("alarm", "f")
     calls_before = np.cumsum((recs["type"] == RecordType.BLOCK) & (recs["a"] == f))
-    at_gap = calls_before[np.flatnonzero(recs["type"] == RecordType.GAP)]
-    off = np.array(at_tick.split(), dtype=np.int64) - at_gap
-    assert off.size == gaps and ((off == 0) | (off == 1)).all(), np.unique(off)
+    at_entry = calls_before[np.flatnonzero(entered)]
+    off = np.array(at_tick.split(), dtype=np.int64) - at_entry
+    assert off.size == main_ticks and ((off == 0) | (off == 1)).all(), np.unique(off)
+    problems, checked = discontinuities(branchtrace.open(trace.path), tid)
+    assert checked > 50 and not problems, problems[:10]
 
 
 def test_timer_signals_over_libc_and_program_code_keep_the_trace_exact(tmp_path, programs):
@@ -3337,47 +3359,60 @@ def test_timer_signals_over_libc_and_program_code_keep_the_trace_exact(tmp_path,
     trace = TraceDir.open(tmp_path / "d")
     (tid,) = trace.threads()
     assert_counts_are_the_records(trace)
-    assert trace.meta()["threads"][str(tid)]["gaps"] == {"signal": int(main_ticks)}
+    assert handler_runs(tmp_path / "d") == int(main_ticks)
+    problems, checked = discontinuities(branchtrace.open(trace.path), tid)
+    assert checked > 50 and not problems, problems[:10]
     by_value = modules(trace, tid).runtime_address("alarm_mix", "by_value")
     b = branchtrace.open(trace.path).branches(tid)
     into = (b["to"] == by_value) & (b["kind"] == BranchKind.INDIRECT_CALL)  # from qsort
     assert int(into.sum()) == int(compares)
 
 
+def assert_handler_traced_thrice(path: Path, program: Path) -> None:
+    """The signal fixture's three handler runs, traced: f called from each, entered by an
+    INTERRUPT branch where raise() was interrupted, back by rt_sigreturn to that place, the
+    chain of branches unbroken and true to the code."""
+    trace = TraceDir.open(path)
+    (tid,) = trace.threads()
+    assert trace.meta()["threads"][str(tid)]["gaps"] == {}
+    assert calls_to(trace, tid, program, "f") == 3
+    handler = modules(trace, tid).runtime_address(program.name, "handler")
+    b = branchtrace.open(path).branches(tid)
+    entries = b[(b["kind"] == BranchKind.INTERRUPT) & (b["to"] == handler)]
+    assert entries.size == 3
+    back = b[b["kind"] == BranchKind.SYSCALL]
+    assert set(entries["from"].tolist()) <= set(back["to"].tolist())
+    problems, checked = discontinuities(branchtrace.open(path), tid)
+    assert checked > 50 and not problems, problems[:10]
+    assert_counts_are_the_records(trace)
+    history = branchtrace.open(path).calls(tid)
+    names = [history.function_name(int(f)) for f in history.segments["function"]]
+    entered = history.segments[history.segments["how"] == HOW_SIGNAL]
+    assert [history.function_name(int(f)) for f in entered["function"]] == ["handler"] * 3
+    assert names.count("f") == 3
+
+
 @pytest.mark.parametrize("mode", ["wrap", "stream"])
-def test_untraced_signal_handlers_are_marked_never_silent(tmp_path, programs, mode):
-    # TODO(signal handlers): Stalker does not follow a handler the kernel enters; until it
-    # does, each entry must leave a GAP record and a warning, and no branch may span it.
+def test_signal_handlers_run_traced_in_the_thread(tmp_path, programs, mode):
+    # the kernel enters a handler natively: it went untraced, marked by a GAP; the agent's
+    # signal stub now runs it in the thread's own Stalker context
     res = record(tmp_path / "d", "--", str(programs["signal"]), mode=mode)
     assert res.returncode == 0 and res.stdout.strip() == str(3 * signal.SIGUSR1)
-    assert "signal handlers ran 3 times untraced" in res.stderr
-    trace = TraceDir.open(tmp_path / "d")
-    (tid,) = trace.threads()
-    assert trace.meta()["threads"][str(tid)]["gaps"] == {"signal": 3}
-    words, pos = trace.words(tid)
-    recs = parse_words(words, pos)
-    assert int((recs["type"] == RecordType.GAP).sum()) == 3
-    assert_counts_are_the_records(trace)
+    assert "untraced" not in res.stderr, res.stderr
+    assert_handler_traced_thrice(tmp_path / "d", programs["signal"])
     info = in_process(["info", str(tmp_path / "d")])
-    assert "untraced stretches (GAP records): signal 3" in info.stdout
+    assert "GAP" not in info.stdout
 
 
 @pytest.mark.parametrize("mode", ["wrap", "stream"])
-def test_a_handler_set_before_the_attach_is_marked_where_it_ran(tmp_path, programs, mode):
-    # the agent hooked the entries of the handlers the program set once it was in: those
-    # set before (an attach) ran unmarked, the trace reading as if the code they interrupted
-    # had run on (a timer at 10 kHz, 5000 runs in 0.5 s, and no GAP)
+def test_a_handler_set_before_the_attach_runs_traced(tmp_path, programs, mode):
+    # the agent gives the kernel its signal stub for the handlers already set as it comes
+    # in, and the program's own ones back as it leaves: the program, asked again, gets 30
     with attach_target(programs["signal"], "wait", stdin=subprocess.PIPE) as target:
         status, err = attached_until_the_end(tmp_path / "d", target, mode)
         assert target.wait(timeout=30) == 0 and target.stdout.read() == f"{3 * signal.SIGUSR1}\n"
-    assert status == 0 and "signal handlers ran 3 times untraced" in err, err
-    trace = TraceDir.open(tmp_path / "d")
-    (tid,) = trace.threads()
-    assert trace.meta()["threads"][str(tid)]["gaps"] == {"signal": 3}
-    recs = parse_words(*trace.words(tid))
-    assert int((recs["type"] == RecordType.GAP).sum()) == 3
-    assert calls_to(trace, tid, programs["signal"], "f") == 0  # from the handler: untraced
-    assert_counts_are_the_records(trace)
+    assert status == 0 and "untraced" not in err, err
+    assert_handler_traced_thrice(tmp_path / "d", programs["signal"])
 
 
 @pytest.mark.parametrize("mode", ["skip", "backtrace"])

@@ -15,7 +15,13 @@ import numpy as np
 
 from ..symbols import ModuleMap
 from ..x86 import UNKNOWN, classify
-from .kernels import BREAK_INTERRUPT, block_bounds, branch_part, scan_blocks
+from .kernels import (
+    BREAK_INTERRUPT,
+    BREAK_SIGRETURN_INTERRUPT,
+    block_bounds,
+    branch_part,
+    scan_blocks,
+)
 
 #: aligned (32 bytes a branch): filling 100M packed 25-byte records costs three times more
 BRANCH_DTYPE = np.dtype(
@@ -104,7 +110,7 @@ def branches_of(blocks: Blocks, first: int = 0) -> np.ndarray:
     if n <= 0:
         return np.zeros(0, BRANCH_DTYPE)
     # a signal that came right after a block's own branch adds that branch
-    interrupts = int((blocks.break_kind == BREAK_INTERRUPT).sum())
+    interrupts = int(np.isin(blocks.break_kind, (BREAK_INTERRUPT, BREAK_SIGRETURN_INTERRUPT)).sum())
     out = np.empty(n + interrupts, BRANCH_DTYPE)
     chunk = min(n, _CHUNK) + interrupts  # column buffers reused chunk after chunk
     src, dst = np.empty(chunk, np.uint64), np.empty(chunk, np.uint64)

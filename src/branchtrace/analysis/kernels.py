@@ -26,6 +26,8 @@ from ..store.format import (
 
 #: why the chain breaks before a block (scan_blocks' `breaks`)
 BREAK_NONE, BREAK_LOST, BREAK_GAP, BREAK_INTERRUPT, BREAK_SIGRETURN = 0, 1, 2, 3, 4
+#: a traced handler's rt_sigreturn, then at once a signal pending meanwhile (detail: where)
+BREAK_SIGRETURN_INTERRUPT = 5
 #: how a call-history segment begins
 HOW_START, HOW_CALL, HOW_RETURN, HOW_TAIL, HOW_UNWIND, HOW_JUMP, HOW_RESUME, HOW_SIGNAL = range(8)
 
@@ -99,7 +101,9 @@ def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind
                     pending = BREAK_GAP
                     pending_detail = w & np.uint64(0xFF)
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _INTERRUPT and i + 1 < n:
-                pending = BREAK_INTERRUPT
+                # one pending while a handler ran is delivered as it returns: both breaks
+                resumed = pending == BREAK_SIGRETURN
+                pending = BREAK_SIGRETURN_INTERRUPT if resumed else BREAK_INTERRUPT
                 pending_detail = words[i + 1]
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _SYSCALL_KIND and i + 1 < n:
                 # the stalker engine's way back from a handler it traced: rt_sigreturn
@@ -218,12 +222,26 @@ def branch_part(
             j += 1
         if j < nbrk and break_at[j] == i + 1:
             x = break_detail[j]
-            if break_kind[j] == BREAK_INTERRUPT:
+            if break_kind[j] == BREAK_SIGRETURN_INTERRUPT:
+                out_from[c] = last[a] + np.uint64(size[a])  # the restorer's system call
+                out_to[c] = x
+                out_kind[c] = _SYSCALL
+                out_block[c] = i + 1
+                c += 1
+                out_from[c] = x
+                out_to[c] = start[b]
+                out_kind[c] = _INTERRUPT_KIND
+                out_block[c] = i + 1
+                c += 1
+            elif break_kind[j] == BREAK_INTERRUPT:
                 # a signal that came after block a's own branch (at the first instruction of
-                # the next block): that branch was taken first
+                # the next block): that branch was taken first -- unless block a is the
+                # rest of one a handler returned into, which had not run on yet
                 k = kind[a]
                 src = last[a]
+                resumed = j > 0 and break_at[j - 1] == i and break_kind[j - 1] == BREAK_SIGRETURN
                 taken = not (start[a] < x <= src) and x != src + np.uint64(size[a])
+                taken = taken and not (resumed and x == start[a])
                 if taken and (k != _NOT_A_BRANCH or not (x > src and x - src <= hook_reach)):
                     out_from[c] = src
                     out_to[c] = x
@@ -320,11 +338,26 @@ def _calls_part(
         if j_break < nb_breaks and break_at[j_break] == i + 1:
             brk = break_kind[j_break]
             resume = break_detail[j_break]
-        if brk == BREAK_INTERRUPT:
+        if brk == BREAK_SIGRETURN_INTERRUPT:
+            j = _frame_of(ret, sp, resume)  # back from one handler, into the next
+            if j >= 0:
+                depth -= sp - j
+                sp = j
+        if brk == BREAK_INTERRUPT or brk == BREAK_SIGRETURN_INTERRUPT:  # noqa: SIM109 (numba)
             # a signal that came right after a call or a return of block b: that first
             k = kind[b]
             fall = last[b] + np.uint64(size[b])
-            if not (start[b] < resume <= last[b]) and resume != fall:
+            resumed = (
+                j_break > 0
+                and break_at[j_break - 1] == i
+                and break_kind[j_break - 1] == BREAK_SIGRETURN
+            )
+            if (
+                brk == BREAK_INTERRUPT
+                and not (start[b] < resume <= last[b])
+                and resume != fall
+                and not (resumed and resume == start[b])
+            ):
                 if k == _CALL or k == _ICALL:  # noqa: SIM109
                     ret[sp] = fall
                     caller[sp] = cur

@@ -38,6 +38,7 @@ from .kernels import (
     BREAK_INTERRUPT,
     BREAK_LOST,
     BREAK_SIGRETURN,
+    BREAK_SIGRETURN_INTERRUPT,
     HOW_CALL,
     HOW_TAIL,
     call_segments,
@@ -327,7 +328,9 @@ class Trace:
         break.  A signal delivered to a traced handler is a branch (INTERRUPT), and so is
         the handler's way back (rt_sigreturn, SYSCALL): not breaks."""
         blocks = self.blocks(tid)
-        keep = (blocks.break_kind != BREAK_INTERRUPT) & (blocks.break_kind != BREAK_SIGRETURN)
+        keep = ~np.isin(
+            blocks.break_kind, (BREAK_INTERRUPT, BREAK_SIGRETURN, BREAK_SIGRETURN_INTERRUPT)
+        )
         out = np.zeros(int(keep.sum()), BREAK_DTYPE)
         out["block"] = blocks.break_at[keep]
         kind, detail = blocks.break_kind[keep], blocks.break_detail[keep]

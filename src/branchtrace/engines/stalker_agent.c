@@ -4021,8 +4021,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   t->exec_ctx = exec_ctx; /* (context_to_let_go) */
   while (gum_stalker_iterator_next(iterator, &insn)) {
     int is_first = first;
-    if (first && (is_frida_code(insn->address) ||
-                  (t->handlers_running > 0 && insn->address == restorer_syscall()))) {
+    if (first && (is_frida_code(insn->address) || insn->address == restorer_syscall())) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */
     } else if (first && t->ctx_blocks++ >= BT_CONTEXT_BLOCKS &&
                put_renewal(iterator, cw, t, insn->address)) {
