@@ -11,14 +11,23 @@ from branchtrace.analysis.decode import Blocks, branches_of
 from branchtrace.analysis.kernels import (
     BREAK_GAP,
     BREAK_INTERRUPT,
+    BREAK_INTERRUPT_AT_START,
+    BREAK_INTERRUPT_INSIDE,
     BREAK_LOST,
     BREAK_NONE,
+    BREAK_SIGRETURN,
+    BREAK_SIGRETURN_INTERRUPT,
     block_bounds,
     scan_blocks,
 )
 from branchtrace.analysis.trace import faults_in, thread_end
 from branchtrace.store import BranchKind, RecordType, parse_words
-from branchtrace.store.format import GapReason, record_words
+from branchtrace.store.format import (
+    INTERRUPT_AT_START,
+    INTERRUPT_INSIDE,
+    GapReason,
+    record_words,
+)
 from branchtrace.x86 import NOT_A_BRANCH
 
 # few distinct blocks (as in a real program) and occasionally many: the hash table grows
@@ -30,7 +39,14 @@ others = st.one_of(
     st.tuples(st.just(RecordType.GAP), st.sampled_from([int(r) for r in GapReason])),
     st.tuples(
         st.just(RecordType.BRANCH),
-        st.just(int(BranchKind.INTERRUPT)),
+        st.sampled_from(
+            [
+                int(BranchKind.INTERRUPT),  # the step engine's
+                int(BranchKind.INTERRUPT) | INTERRUPT_AT_START,  # the stalker engine's
+                int(BranchKind.INTERRUPT) | INTERRUPT_INSIDE,
+                int(BranchKind.SYSCALL),  # the stalker engine's way back from a handler
+            ]
+        ),
         st.integers(1, (1 << 47) - 1),
         st.integers(1, (1 << 47) - 1),
     ),
@@ -66,8 +82,18 @@ def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int]]:
             pending = BREAK_LOST
         elif rtype == RecordType.GAP and pending != BREAK_LOST:
             pending, detail = BREAK_GAP, arg
+        elif rtype == RecordType.BRANCH and arg == BranchKind.SYSCALL:
+            pending, detail = BREAK_SIGRETURN, payload[0]
         elif rtype == RecordType.BRANCH:
-            pending, detail = BREAK_INTERRUPT, payload[0]
+            if pending == BREAK_SIGRETURN:
+                pending = BREAK_SIGRETURN_INTERRUPT
+            elif arg & INTERRUPT_AT_START:
+                pending = BREAK_INTERRUPT_AT_START
+            elif arg & INTERRUPT_INSIDE:
+                pending = BREAK_INTERRUPT_INSIDE
+            else:
+                pending = BREAK_INTERRUPT
+            detail = payload[0]
     breaks.append(pending)  # after the last block
     details.append(detail if pending != BREAK_NONE else 0)
     return words, breaks, details
@@ -101,19 +127,34 @@ def reference_branches(b: Blocks) -> list[tuple[int, int, int, int]]:
         a, n = int(b.ids[i]), int(b.ids[i + 1])
         src, dst, kind = int(b.last[a]), int(b.start[n]), int(b.kind[a])
         if i + 1 in breaks:
-            why, resume = breaks[i + 1]
-            if why == BREAK_INTERRUPT:
-                out.append((resume, dst, BranchKind.INTERRUPT, i + 1))
+            why, x = breaks[i + 1]
+            if why == BREAK_SIGRETURN:
+                out.append((x, dst, BranchKind.SYSCALL, i + 1))
+            elif why == BREAK_SIGRETURN_INTERRUPT:
+                out.append((src + int(b.size[a]), x, BranchKind.SYSCALL, i + 1))
+                out.append((x, dst, BranchKind.INTERRUPT, i + 1))
+            elif why in (BREAK_INTERRUPT, BREAK_INTERRUPT_AT_START, BREAK_INTERRUPT_INSIDE):
+                # block a took its branch before the signal came: at x, where it went
+                inside = int(b.start[a]) < x <= src or x == src + int(b.size[a])
+                if why == BREAK_INTERRUPT_AT_START or (why == BREAK_INTERRUPT and not inside):
+                    out += transfer(src, x, kind, int(b.size[a]), i + 1)
+                out.append((x, dst, BranchKind.INTERRUPT, i + 1))
             continue
-        falls = dst == src + int(b.size[a])
-        if kind == NOT_A_BRANCH:
-            if falls or 0 < dst - src <= 32:
-                continue
-            kind = BranchKind.INTERRUPT
-        elif falls and kind == BranchKind.CONDITIONAL:
-            continue
-        out.append((src, dst, kind, i + 1))
+        out += transfer(src, dst, kind, int(b.size[a]), i + 1)
     return out
+
+
+def transfer(src: int, dst: int, kind: int, size: int, block: int) -> list[tuple]:
+    """The branch from a block's last instruction at src (of that kind and size) to dst,
+    if it is one: not a fall-through, nor a hooked function's relocated head."""
+    falls = dst == src + size
+    if kind == NOT_A_BRANCH:
+        if falls or 0 < dst - src <= 32:
+            return []
+        kind = BranchKind.INTERRUPT
+    elif falls and kind == BranchKind.CONDITIONAL:
+        return []
+    return [(src, dst, kind, block)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -125,7 +166,20 @@ def reference_branches(b: Blocks) -> list[tuple[int, int, int, int]]:
             st.lists(st.integers(0, 40), min_size=k, max_size=k),
             st.lists(st.sampled_from([0, *map(int, BranchKind), 255]), min_size=k, max_size=k),
             st.lists(st.integers(1, 15), min_size=k, max_size=k),
-            st.lists(st.sampled_from([BREAK_LOST, BREAK_GAP, BREAK_INTERRUPT]), max_size=5),
+            st.lists(
+                st.sampled_from(
+                    [
+                        BREAK_LOST,
+                        BREAK_GAP,
+                        BREAK_INTERRUPT,
+                        BREAK_SIGRETURN,
+                        BREAK_SIGRETURN_INTERRUPT,
+                        BREAK_INTERRUPT_AT_START,
+                        BREAK_INTERRUPT_INSIDE,
+                    ]
+                ),
+                max_size=5,
+            ),
         )
     ),
     st.randoms(use_true_random=False),

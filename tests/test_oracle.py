@@ -21,7 +21,13 @@ import pytest
 from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 
 import branchtrace
-from branchtrace.analysis.kernels import BREAK_INTERRUPT, HOW_CALL, HOW_SIGNAL, HOW_TAIL
+from branchtrace.analysis.kernels import (
+    BREAK_SIGRETURN,
+    HOW_CALL,
+    HOW_SIGNAL,
+    HOW_TAIL,
+    SIGNAL_DELIVERIES,
+)
 from branchtrace.store import BranchKind
 from branchtrace.store.format import FaultAccess
 from branchtrace.x86 import NOT_A_BRANCH, classify, memory_access
@@ -146,7 +152,8 @@ def discontinuities(trace: branchtrace.Trace, tid: int) -> tuple[list[str], int]
         elif kind in DIRECT and i.operands[0].imm != dst:
             problems.append(f"{src:#x} {i.mnemonic} {i.op_str} recorded going to {dst:#x}")
     blocks = trace.blocks(tid)
-    breaks = np.sort(blocks.break_at[blocks.break_kind != BREAK_INTERRUPT])
+    signals = np.isin(blocks.break_kind, (*SIGNAL_DELIVERIES, BREAK_SIGRETURN))
+    breaks = np.sort(blocks.break_at[~signals])
     crossed = np.searchsorted(breaks, b["block"], side="right")
     joined = np.flatnonzero(crossed[1:] == crossed[:-1])
     runs = np.unique(np.stack([b["to"][joined], b["from"][joined + 1]], axis=1), axis=0)

@@ -16,8 +16,7 @@ import numpy as np
 from ..symbols import ModuleMap
 from ..x86 import UNKNOWN, classify
 from .kernels import (
-    BREAK_INTERRUPT,
-    BREAK_SIGRETURN_INTERRUPT,
+    SIGNAL_DELIVERIES,
     block_bounds,
     branch_part,
     scan_blocks,
@@ -110,7 +109,7 @@ def branches_of(blocks: Blocks, first: int = 0) -> np.ndarray:
     if n <= 0:
         return np.zeros(0, BRANCH_DTYPE)
     # a signal that came right after a block's own branch adds that branch
-    interrupts = int(np.isin(blocks.break_kind, (BREAK_INTERRUPT, BREAK_SIGRETURN_INTERRUPT)).sum())
+    interrupts = int(np.isin(blocks.break_kind, SIGNAL_DELIVERIES).sum())
     out = np.empty(n + interrupts, BRANCH_DTYPE)
     chunk = min(n, _CHUNK) + interrupts  # column buffers reused chunk after chunk
     src, dst = np.empty(chunk, np.uint64), np.empty(chunk, np.uint64)

@@ -15,6 +15,8 @@ import numpy as np
 from ..store.format import (
     BLOCK_ADDR_BITS,
     BLOCK_ADDR_MASK,
+    INTERRUPT_AT_START,
+    INTERRUPT_INSIDE,
     LEN_MASK,
     LEN_SHIFT,
     TYPE_MASK,
@@ -28,6 +30,18 @@ from ..store.format import (
 BREAK_NONE, BREAK_LOST, BREAK_GAP, BREAK_INTERRUPT, BREAK_SIGRETURN = 0, 1, 2, 3, 4
 #: a traced handler's rt_sigreturn, then at once a signal pending meanwhile (detail: where)
 BREAK_SIGRETURN_INTERRUPT = 5
+#: the stalker engine's INTERRUPTs say where the signal came (INTERRUPT_AT_START,
+#: INTERRUPT_INSIDE in store.format): at the start of a block whose record comes after
+#: (the block recorded before took its branch there first), or inside the block recorded
+#: before.  A plain BREAK_INTERRUPT (the step engine's) is placed by the addresses.
+BREAK_INTERRUPT_AT_START, BREAK_INTERRUPT_INSIDE = 6, 7
+#: the breaks that are a signal's delivery: each is an INTERRUPT branch, not a gap
+SIGNAL_DELIVERIES = (
+    BREAK_INTERRUPT,
+    BREAK_SIGRETURN_INTERRUPT,
+    BREAK_INTERRUPT_AT_START,
+    BREAK_INTERRUPT_INSIDE,
+)
 #: how a call-history segment begins
 HOW_START, HOW_CALL, HOW_RETURN, HOW_TAIL, HOW_UNWIND, HOW_JUMP, HOW_RESUME, HOW_SIGNAL = range(8)
 
@@ -38,9 +52,11 @@ _LOST, _GAP, _BRANCH, _FAR = (
 )
 _INTERRUPT = np.uint64(int(BranchKind.INTERRUPT))
 _SYSCALL_KIND = np.uint64(int(BranchKind.SYSCALL))
+_AT_START, _INSIDE = np.uint64(INTERRUPT_AT_START >> 8), np.uint64(INTERRUPT_INSIDE >> 8)
 _GAP_SIGNAL = np.uint64(int(GapReason.SIGNAL))
 _INTERRUPT_KIND, _CONDITIONAL = int(BranchKind.INTERRUPT), int(BranchKind.CONDITIONAL)
 _NOT_A_BRANCH = 0  #: x86.NOT_A_BRANCH
+_SIGNAL_FRAME = -2  #: the caller of a signal's frame on the shadow stack: no function's
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -101,9 +117,16 @@ def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind
                     pending = BREAK_GAP
                     pending_detail = w & np.uint64(0xFF)
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _INTERRUPT and i + 1 < n:
-                # one pending while a handler ran is delivered as it returns: both breaks
-                resumed = pending == BREAK_SIGRETURN
-                pending = BREAK_SIGRETURN_INTERRUPT if resumed else BREAK_INTERRUPT
+                where = (w >> np.uint64(8)) & np.uint64(3)
+                if pending == BREAK_SIGRETURN:
+                    # one pending while a handler ran is delivered as it returns
+                    pending = BREAK_SIGRETURN_INTERRUPT
+                elif where == _AT_START:
+                    pending = BREAK_INTERRUPT_AT_START
+                elif where == _INSIDE:
+                    pending = BREAK_INTERRUPT_INSIDE
+                else:
+                    pending = BREAK_INTERRUPT
                 pending_detail = words[i + 1]
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _SYSCALL_KIND and i + 1 < n:
                 # the stalker engine's way back from a handler it traced: rt_sigreturn
@@ -222,7 +245,8 @@ def branch_part(
             j += 1
         if j < nbrk and break_at[j] == i + 1:
             x = break_detail[j]
-            if break_kind[j] == BREAK_SIGRETURN_INTERRUPT:
+            brk = break_kind[j]
+            if brk == BREAK_SIGRETURN_INTERRUPT:
                 out_from[c] = last[a] + np.uint64(size[a])  # the restorer's system call
                 out_to[c] = x
                 out_kind[c] = _SYSCALL
@@ -233,19 +257,25 @@ def branch_part(
                 out_kind[c] = _INTERRUPT_KIND
                 out_block[c] = i + 1
                 c += 1
-            elif break_kind[j] == BREAK_INTERRUPT:
+            elif brk == BREAK_INTERRUPT or brk >= BREAK_INTERRUPT_AT_START:
                 # a signal that came after block a's own branch (at the first instruction of
-                # the next block): that branch was taken first -- unless block a is the
-                # rest of one a handler returned into, which had not run on yet
+                # the block it went to): that branch was taken first
                 k = kind[a]
                 src = last[a]
-                resumed = j > 0 and break_at[j - 1] == i and break_kind[j - 1] == BREAK_SIGRETURN
-                taken = not (start[a] < x <= src) and x != src + np.uint64(size[a])
-                taken = taken and not (resumed and x == start[a])
-                if taken and (k != _NOT_A_BRANCH or not (x > src and x - src <= hook_reach)):
+                fall = src + np.uint64(size[a])
+                if brk == BREAK_INTERRUPT:
+                    taken = not (start[a] < x <= src) and x != fall
+                else:
+                    taken = brk == BREAK_INTERRUPT_AT_START
+                if taken and k == _NOT_A_BRANCH:
+                    taken = not (x == fall or (x > src and x - src <= hook_reach))
+                    k = _INTERRUPT_KIND
+                elif taken and k == _CONDITIONAL:
+                    taken = x != fall
+                if taken:
                     out_from[c] = src
                     out_to[c] = x
-                    out_kind[c] = k if k != _NOT_A_BRANCH else _INTERRUPT_KIND
+                    out_kind[c] = k
                     out_block[c] = i + 1
                     c += 1
                 out_from[c] = x
@@ -253,7 +283,7 @@ def branch_part(
                 out_kind[c] = _INTERRUPT_KIND
                 out_block[c] = i + 1
                 c += 1
-            elif break_kind[j] == BREAK_SIGRETURN:
+            elif brk == BREAK_SIGRETURN:  # the way back from a traced handler
                 out_from[c] = x
                 out_to[c] = start[b]
                 out_kind[c] = _SYSCALL
@@ -343,22 +373,16 @@ def _calls_part(
             if j >= 0:
                 depth -= sp - j
                 sp = j
-        if brk == BREAK_INTERRUPT or brk == BREAK_SIGRETURN_INTERRUPT:  # noqa: SIM109 (numba)
+        if brk == BREAK_INTERRUPT or brk >= BREAK_SIGRETURN_INTERRUPT:  # a signal delivered
             # a signal that came right after a call or a return of block b: that first
             k = kind[b]
             fall = last[b] + np.uint64(size[b])
-            resumed = (
-                j_break > 0
-                and break_at[j_break - 1] == i
-                and break_kind[j_break - 1] == BREAK_SIGRETURN
-            )
-            if (
-                brk == BREAK_INTERRUPT
-                and not (start[b] < resume <= last[b])
-                and resume != fall
-                and not (resumed and resume == start[b])
-            ):
-                if k == _CALL or k == _ICALL:  # noqa: SIM109
+            if brk == BREAK_INTERRUPT:
+                taken = not (start[b] < resume <= last[b]) and resume != fall
+            else:
+                taken = brk == BREAK_INTERRUPT_AT_START
+            if taken:
+                if (k == _CALL or k == _ICALL) and resume != fall:  # noqa: SIM109
                     ret[sp] = fall
                     caller[sp] = cur
                     sp += 1
@@ -370,7 +394,7 @@ def _calls_part(
                         sp = j
             # a signal handler entered: like a call that returns to `resume`
             ret[sp] = resume
-            caller[sp] = cur
+            caller[sp] = _SIGNAL_FRAME
             sp += 1
             depth += 1
             how = HOW_SIGNAL
@@ -398,12 +422,19 @@ def _calls_part(
             elif k == _RET or (k == _SYSCALL and tgt != fall):
                 # a return, or rt_sigreturn back into interrupted code
                 j = _frame_of(ret, sp, tgt)
-                if j < 0 and nf >= 0:
+                if j < 0 and k == _RET and sp > 0 and caller[sp - 1] == _SIGNAL_FRAME:
+                    # a handler returns into the restorer, which leaves by rt_sigreturn:
+                    # the signal's frame stays until then
+                    if nf != cur:
+                        how = HOW_JUMP
+                elif j < 0 and nf >= 0:
                     j = _frame_of(caller, sp, nf)
                 if j >= 0:
                     depth -= sp - j
                     sp = j
                     how = HOW_RETURN
+                elif how >= 0:
+                    pass
                 elif k == _RET:
                     depth -= 1  # returned above the oldest recorded frame
                     sp = 0

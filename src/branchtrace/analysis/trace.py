@@ -35,12 +35,11 @@ from ..symbols import ModuleMap
 from .decode import Blocks, branches_of, scan
 from .kernels import (
     BREAK_GAP,
-    BREAK_INTERRUPT,
     BREAK_LOST,
     BREAK_SIGRETURN,
-    BREAK_SIGRETURN_INTERRUPT,
     HOW_CALL,
     HOW_TAIL,
+    SIGNAL_DELIVERIES,
     call_segments,
 )
 
@@ -328,9 +327,7 @@ class Trace:
         break.  A signal delivered to a traced handler is a branch (INTERRUPT), and so is
         the handler's way back (rt_sigreturn, SYSCALL): not breaks."""
         blocks = self.blocks(tid)
-        keep = ~np.isin(
-            blocks.break_kind, (BREAK_INTERRUPT, BREAK_SIGRETURN, BREAK_SIGRETURN_INTERRUPT)
-        )
+        keep = ~np.isin(blocks.break_kind, (*SIGNAL_DELIVERIES, BREAK_SIGRETURN))
         out = np.zeros(int(keep.sum()), BREAK_DTYPE)
         out["block"] = blocks.break_at[keep]
         kind, detail = blocks.break_kind[keep], blocks.break_detail[keep]

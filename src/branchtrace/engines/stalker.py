@@ -2403,7 +2403,8 @@ class StalkerEngine:
             runs = untraced["signal"]
             result.warnings.append(
                 f"signal handlers ran {'once' if runs == 1 else f'{runs} times'} untraced "
-                "(Stalker does not follow them); GAP records mark where"
+                "(the signal came inside Stalker's or Frida's own code, or the handler "
+                "returns through a restorer not libc's); GAP records mark where"
                 + (
                     f"; {left} left elsewhere (siglongjmp, or a pc moved), traced again from there"
                     if left

@@ -2614,7 +2614,8 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
       t->ret_copy_ctx != t->exec_ctx || t->exec_ctx == NULL ||
       (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */)
     return; /* natively, marked by a GAP */
-  write_branch(t, BT_KIND_INTERRUPT, from, handler);
+  write_branch(t, BT_KIND_INTERRUPT | (at_start ? BT_INTERRUPT_AT_START : BT_INTERRUPT_INSIDE),
+               from, handler);
   int depth = t->handlers_running;
   t->handler_uc[depth] = (uint64_t)uc;
   t->handler_pc[depth] = from;

@@ -120,6 +120,15 @@ class BranchKind(IntEnum):
     INTERRUPT = 8  #: asynchronous: signal delivery, exception
 
 
+#: Where the stalker engine's INTERRUPT branch records say a signal came (bits of the
+#: record's argument above the kind): at the first instruction of a block whose record
+#: follows (the block recorded before took its branch there first), or inside the block
+#: recorded before (the rest of it runs after the handler).  Neither (the step engine):
+#: readers place it by the addresses.
+INTERRUPT_AT_START = 0x100
+INTERRUPT_INSIDE = 0x200
+
+
 class GapReason(IntEnum):
     FORK = 1  #: fork() runs untraced (Frida Stalker cannot follow a thread through it)
     SIGNAL = 2  #: a signal handler runs untraced (the kernel enters it outside Stalker)
@@ -358,6 +367,8 @@ def c_definitions() -> str:
         lines.append(f"#define BT_FLAG_{f.name} {int(f)}")
     for k in BranchKind:
         lines.append(f"#define BT_KIND_{k.name} {int(k)}")
+    lines.append(f"#define BT_INTERRUPT_AT_START {INTERRUPT_AT_START:#x}")
+    lines.append(f"#define BT_INTERRUPT_INSIDE {INTERRUPT_INSIDE:#x}")
     fields = HEADER_DTYPE.fields
     assert fields is not None
     for name, spec in fields.items():
