@@ -33,7 +33,13 @@ from branchtrace.analysis.kernels import HOW_SIGNAL
 from branchtrace.cli.signals import setting_on
 from branchtrace.engines import stalker
 from branchtrace.store import BranchKind, Mode, RecordType, Ring, parse_words
-from branchtrace.store.format import BLOCK_ADDR_MASK, FaultAccess, GapReason, WriterState
+from branchtrace.store.format import (
+    BLOCK_ADDR_MASK,
+    INTERRUPT_INSIDE,
+    FaultAccess,
+    GapReason,
+    WriterState,
+)
 from branchtrace.store.records import count_records
 from branchtrace.store.tracedir import (
     GENERATION,
@@ -128,17 +134,24 @@ def calls_to(trace: TraceDir, tid: int, program: Path, function: str) -> int:
     return int(((b["to"] == address) & (b["kind"] == BranchKind.CALL)).sum())
 
 
+def signal_deliveries(recs: np.ndarray) -> np.ndarray:
+    """Which parsed records are INTERRUPT branches (a handler entered, traced)."""
+    kind = recs["arg"] & 0xFF  # above it: where the signal came (INTERRUPT_AT_START, ...)
+    return (recs["type"] == RecordType.BRANCH) & (kind == BranchKind.INTERRUPT)
+
+
+def handler_runs_of(trace: TraceDir, tid: int) -> int:
+    """Signal handler runs that interrupted the thread: traced (an INTERRUPT record) or run
+    natively (a GAP record of reason signal)."""
+    recs = parse_words(*trace.words(tid))
+    gaps = (recs["type"] == RecordType.GAP) & (recs["arg"] == GapReason.SIGNAL)
+    return int(signal_deliveries(recs).sum() + gaps.sum())
+
+
 def handler_runs(path: Path) -> int:
-    """Signal handler runs that interrupted a traced thread: traced (an INTERRUPT record) or
-    run natively (a GAP record of reason signal), every thread."""
+    """handler_runs_of every thread."""
     trace = TraceDir.open(path)
-    runs = 0
-    for tid in trace.threads():
-        recs = parse_words(*trace.words(tid))
-        interrupts = (recs["type"] == RecordType.BRANCH) & (recs["arg"] == BranchKind.INTERRUPT)
-        gaps = (recs["type"] == RecordType.GAP) & (recs["arg"] == GapReason.SIGNAL)
-        runs += int(interrupts.sum() + gaps.sum())
-    return runs
+    return sum(handler_runs_of(trace, tid) for tid in trace.threads())
 
 
 def assert_counts_are_the_records(trace: TraceDir, decode: bool = True) -> None:
@@ -1054,8 +1067,8 @@ def test_thousands_of_threads_that_ended_leave_no_ring_mapped_and_the_next_is_ex
     meta = trace.meta()
     threads = meta["threads"]
     assert len(threads) == n + 2
-    (signalled,) = [parse_thread_label(t) for t, stats in threads.items() if stats.get("gaps")]
-    assert threads[thread_label(signalled)]["gaps"] == {"signal": 1}
+    (signalled,) = [tid for tid in trace.threads() if handler_runs_of(trace, tid)]
+    assert handler_runs_of(trace, signalled) == 1
     assert all(stats["switches"] >= 1 for stats in threads.values())
     assert calls_to(trace, signalled, threadend, "step") == 1
     assert indirect_calls_to(trace, signalled, threadend, "signalled") == 1
@@ -1122,7 +1135,7 @@ def test_threads_given_the_ids_of_earlier_threads_are_traced_as_threads_of_their
     again = [key for key in workers if key >= GENERATION]
     assert len(again) >= 100 and len({thread_id(key) for key in workers}) < len(workers)
     for key in workers:
-        routine = "signalled" if meta["threads"][thread_label(key)]["gaps"] else "nothing"
+        routine = "signalled" if handler_runs_of(trace, key) else "nothing"
         assert indirect_calls_to(trace, key, threadend, routine) == 1, thread_label(key)
         assert meta["threads"][thread_label(key)]["switches"] >= 1
         with Ring.open(trace.ring_path(key)) as ring:
@@ -3332,14 +3345,21 @@ def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, 
     # the runs on the agent's own threads (ticks - main_ticks) interrupted no traced code;
     # each other one ran traced (interrupted at one of the program's instructions) or
     # natively, marked by a GAP
-    entered = (recs["type"] == RecordType.GAP) | (
-        (recs["type"] == RecordType.BRANCH) & (recs["arg"] == BranchKind.INTERRUPT)
-    )
+    entered = (recs["type"] == RecordType.GAP) | signal_deliveries(recs)
     assert int(entered.sum()) == main_ticks
     # and each sits where its handler run interrupted the loop: after the blocks of the
-    # calls of f that had begun (`at` of them, or one fewer), not a chunk later
+    # calls of f that had begun (`at` of them, or one fewer), not a chunk later; a block
+    # right after a handler's way back (rt_sigreturn) is the rest of the interrupted one
+    # when the signal came inside it (INTERRUPT_INSIDE), not when the block was yet to run
     f = modules(trace, tid).runtime_address("alarm", "f")
-    calls_before = np.cumsum((recs["type"] == RecordType.BLOCK) & (recs["a"] == f))
+    resumed = np.zeros(recs.size, bool)
+    inside = False
+    for i in np.flatnonzero(recs["type"] == RecordType.BRANCH).tolist():
+        if (recs["arg"][i] & 0xFF) == BranchKind.INTERRUPT:
+            inside = bool(recs["arg"][i] & INTERRUPT_INSIDE)
+        elif recs["arg"][i] == BranchKind.SYSCALL and i + 1 < recs.size:
+            resumed[i + 1] = inside
+    calls_before = np.cumsum((recs["type"] == RecordType.BLOCK) & (recs["a"] == f) & ~resumed)
     at_entry = calls_before[np.flatnonzero(entered)]
     off = np.array(at_tick.split(), dtype=np.int64) - at_entry
     assert off.size == main_ticks and ((off == 0) | (off == 1)).all(), np.unique(off)

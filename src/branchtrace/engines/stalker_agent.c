@@ -134,6 +134,9 @@ typedef struct {
   uint64_t handler_copy[BT_HANDLER_DEPTH];
   uint64_t handler_last[BT_HANDLER_DEPTH];
   uint8_t *handler_ctx[BT_HANDLER_DEPTH];
+  /* the record sequence's slots for rax and rcx, as the handler was entered: a handler
+     that interrupted a sequence between its save and its load finds them as they were */
+  uint64_t handler_saved[BT_HANDLER_DEPTH][2];
   uint64_t ret_copy;     /* a `ret` of the program's compiled in `ret_copy_ctx` */
   uint8_t *ret_copy_ctx;
 } BtThread;
@@ -156,7 +159,8 @@ typedef struct {
 
 /* Where each instruction of a block went in Stalker's copy of the code (the thread's code
    cache), so that a fault, whose pc is in the copy, names the program's instruction
-   (write_fault).  Written as each block compiles, 24 bytes and 4 per instruction, into
+   (write_fault), or a signal, where it may be followed into its handler (bt_signal_enter).
+   Written as each block compiles, 32 bytes and 4 per instruction, into
    chunks of the thread's own; read only on a fault, newest first: Stalker may compile a
    block again elsewhere, and a thread followed again gets a new cache. */
 #define BT_COPY_CHUNK (256 * 1024)
@@ -167,6 +171,10 @@ typedef struct {
   uint32_t copy_size;
   uint16_t n;         /* instructions mapped: the first n of the block */
   uint16_t whole;     /* 1: that is all of them */
+  /* in the block's record: where it reads `wp`; from where the slot is written up to where
+     the chunk check jumps nowhere but on; where the registers it saved are loaded back;
+     and where the first instruction's copy starts */
+  uint16_t read_at, written_at, check_end, restore_at, first_at, pad[3];
   uint16_t offsets[]; /* n offsets into the copy, then n into the program's block */
 } BtCopy;
 typedef struct BtCopyChunk {
@@ -2622,6 +2630,8 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
   t->handler_copy[depth] = *rip;
   t->handler_last[depth] = at_start ? 0 : last;
   t->handler_ctx[depth] = t->exec_ctx;
+  t->handler_saved[depth][0] = t->saved_rax;
+  t->handler_saved[depth][1] = t->saved_rcx;
   t->handlers_running = depth + 1;
   *rip = from; /* what the handler sees (Go's runtime reads it) */
   out[0] = t->ret_copy;
@@ -2669,6 +2679,8 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
       write_branch(t, BT_KIND_SYSCALL, from, *rip);
       if (t->handler_last[depth - 1] != 0)
         write_block_far(t, *rip | ((t->handler_last[depth - 1] - *rip) << BT_BLOCK_ADDR_BITS));
+      t->saved_rax = t->handler_saved[depth - 1][0];
+      t->saved_rcx = t->handler_saved[depth - 1][1];
       *rip = copy;
       return;
     }
@@ -2796,7 +2808,7 @@ static int read_safely(const void *addr, void *out, uint64_t n) {
 
 /* Note where the instructions of a block just compiled are in the copy (BtCopy). */
 static void add_copy(BtThread *t, uint64_t copy, uint64_t copy_size, uint64_t start,
-                     unsigned n, int whole, const uint16_t *offsets) {
+                     unsigned n, int whole, const uint16_t *offsets, const uint16_t *record) {
   uint64_t size = (sizeof(BtCopy) + 4 * n + 7) & ~7ULL;
   BtCopyChunk *c = t->copies;
   if (c == NULL || sizeof(BtCopyChunk) + c->used + size > BT_COPY_CHUNK) {
@@ -2813,6 +2825,11 @@ static void add_copy(BtThread *t, uint64_t copy, uint64_t copy_size, uint64_t st
   e->copy_size = (uint32_t)copy_size;
   e->n = (uint16_t)n;
   e->whole = (uint16_t)whole;
+  e->read_at = record[0];
+  e->written_at = record[1];
+  e->check_end = record[2];
+  e->restore_at = record[3];
+  e->first_at = record[4];
   for (unsigned i = 0; i < 2 * n; i++)
     e->offsets[i] = offsets[i];
   /* last: a fault that interrupts this (in the thread's own handler) sees whole entries */
@@ -2856,13 +2873,17 @@ static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, 
     }
     if (found == NULL || found->n == 0)
       continue;
-    for (unsigned k = 0; k < found->n; k++) {
-      if (found->copy + found->offsets[k] != pc)
-        continue;
-      *at_start = k == 0;
-      *last = found->whole ? found->start + found->offsets[2 * found->n - 1] : 0;
-      return found->start + found->offsets[found->n + k];
-    }
+    *last = found->whole ? found->start + found->offsets[2 * found->n - 1] : 0;
+    uint64_t at = pc - found->copy;
+    *at_start = at <= found->read_at;
+    if (*at_start)
+      return found->start; /* its record to be written, nothing of the block run yet */
+    if ((at >= found->written_at && at < found->check_end) ||
+        (at >= found->restore_at && at <= found->first_at))
+      return found->start; /* its record written, nothing of the block run yet */
+    for (unsigned k = 0; k < found->n; k++)
+      if (found->offsets[k] == at)
+        return found->start + found->offsets[found->n + k];
     return 0;
   }
   return 0;
@@ -3684,44 +3705,60 @@ static void put_tail_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, B
      mov r, [wp]; mov qword [r-4], ID; lea r, [r+4]; mov [wp], r
      movzx ecx, cx; jrcxz slow       or       test r16, r16; jz tail
    Returns where the id goes. */
+/* Where a record sequence is at each of its steps (BtCopy's read_at ... restore_at), as
+   addresses in the copy. */
+typedef struct {
+  uint64_t read, written, check_end, restore;
+} BtRecordAt;
+
 static uint32_t *put_short_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                                  int r, int flags_dead, uint64_t start) {
+                                  int r, int flags_dead, uint64_t start, BtRecordAt *at) {
   uint32_t wp32 = (uint32_t)(uint64_t)t->wpp;
+  at->read = cw->pc;
   put_mov_reg_abs(cw, 0x8b, r, wp32);
   uint32_t *id = put_store_slot(cw, r);
   uint8_t lea[5];
   put_bytes(cw, lea, enc_lea(lea, r));
   put_mov_reg_abs(cw, 0x89, r, wp32);
+  at->written = cw->pc;
   if (!flags_dead) { /* r is rcx */
     put_bytes(cw, movzx_ecx_cx_jrcxz, 5);
+    at->check_end = cw->pc + 5; /* and the slow path's jmp over its callout */
     put_inline_slow_path(iterator, cw, t, id, 0, start);
   } else {
     put_test16(cw, r);
     put_jz_to_tail(cw, id);
+    at->check_end = cw->pc;
   }
+  at->restore = cw->pc;
   return id;
 }
 
 /* The record sequence of a block with no dead register (see the top of this file).
    Returns where the id goes. */
 static uint32_t *put_saving_record(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                                   int flags_dead, uint64_t start) {
+                                   int flags_dead, uint64_t start, BtRecordAt *at) {
   put_movabs(cw, movabs_store, &t->saved_rax);
   if (!flags_dead) {
     put_bytes(cw, mov_rax_rcx, 3);
     put_movabs(cw, movabs_store, &t->saved_rcx);
   }
+  at->read = cw->pc;
   put_movabs(cw, movabs_load, t->wpp);
   uint32_t *id = put_store_slot(cw, 0 /* rax */);
   gum_x86_writer_put_lea_reg_reg_offset(cw, GUM_X86_RAX, GUM_X86_RAX, SLOT_LEAD);
   put_movabs(cw, movabs_store, t->wpp);
+  at->written = cw->pc;
   if (flags_dead) {
     put_test16(cw, 0 /* rax */);
     put_jz_to_tail(cw, id);
+    at->check_end = cw->pc;
   } else {
     put_bytes(cw, movzx_ecx_ax_jrcxz, 5); /* over the 5-byte jmp of the slow path */
+    at->check_end = cw->pc + 5;
     put_inline_slow_path(iterator, cw, t, id, 1, start);
   }
+  at->restore = cw->pc;
   if (!flags_dead) {
     put_movabs(cw, movabs_load, &t->saved_rcx);
     put_bytes(cw, mov_rcx_rax, 3);
@@ -4005,6 +4042,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   uint64_t wp_addr = (uint64_t)t->wpp;
   uint64_t copy = 0; /* where the block's copy starts, for a block of the program's */
   uint16_t offsets[2 * BT_COPY_MAX]; /* BtCopy's, the copy's first */
+  uint16_t record_at[5] = {0, 0, 0, 0, 0}; /* BtCopy's read_at ... first_at (spilled: 0) */
   unsigned mapped = 0;
 
   int first = 1;
@@ -4051,8 +4089,14 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       else if (dead & (1u << 1))
         r = 1; /* rcx: the check is jrcxz, the flags stay untouched */
       id = t->next_id++;
-      slot = r >= 0 ? put_short_record(iterator, cw, t, r, flags_dead, start)
-                    : put_saving_record(iterator, cw, t, flags_dead, start);
+      BtRecordAt at;
+      slot = r >= 0 ? put_short_record(iterator, cw, t, r, flags_dead, start, &at)
+                    : put_saving_record(iterator, cw, t, flags_dead, start, &at);
+      record_at[0] = (uint16_t)(at.read - copy);
+      record_at[1] = (uint16_t)(at.written - copy);
+      record_at[2] = (uint16_t)(at.check_end - copy);
+      record_at[3] = (uint16_t)(at.restore - copy);
+      record_at[4] = (uint16_t)(cw->pc - copy);
       tail_slow = flags_dead;
     }
     if (copy != 0 && mapped < BT_COPY_MAX) {
@@ -4080,7 +4124,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     unsigned n = mapped < BT_COPY_MAX ? mapped : BT_COPY_MAX;
     for (unsigned i = 0; i < n; i++)
       offsets[n + i] = offsets[BT_COPY_MAX + i];
-    add_copy(t, copy, cw->pc - copy, start, n, mapped <= BT_COPY_MAX, offsets);
+    add_copy(t, copy, cw->pc - copy, start, n, mapped <= BT_COPY_MAX, offsets, record_at);
   }
   /* Stalker ends a block at every branch, so it spans a few dozen bytes: the offset of
      its last instruction always fits the 16 bits of a BLOCK word. */
