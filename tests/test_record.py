@@ -3424,6 +3424,26 @@ def test_signal_handlers_run_traced_in_the_thread(tmp_path, programs, mode):
     assert "GAP" not in info.stdout
 
 
+def test_nested_handlers_siginfo_and_siglongjmp_out_of_a_handler_run_traced(tmp_path, programs):
+    # a handler that reads the pc from its frame sees the program's (in libc's raise()), not
+    # Stalker's copy; one interrupted by a signal it raises, and one that leaves by
+    # siglongjmp(), are traced through: all seven calls of f, no GAP, no discontinuity
+    exe = programs["sighandlers"]
+    native, res = untraced_then_traced(tmp_path / "d", str(exe), options=("--mode", "stream"))
+    assert (res.returncode, res.stdout) == (native.returncode, native.stdout), res.stderr
+    assert res.stdout == "31111 pc-in-libc 3\n" and "untraced" not in res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert calls_to(trace, tid, exe, "f") == 7
+    assert handler_runs_of(trace, tid) == 6 and trace.meta()["threads"][str(tid)]["gaps"] == {}
+    problems, checked = discontinuities(branchtrace.open(tmp_path / "d"), tid)
+    assert checked > 50 and not problems, problems[:10]
+    history = branchtrace.open(tmp_path / "d").calls(tid)
+    entered = history.segments[history.segments["how"] == HOW_SIGNAL]
+    names = [history.function_name(int(f)) for f in entered["function"]]
+    assert names == ["with_info", "outer", "inner", "leaving", "leaving", "leaving"]
+
+
 @pytest.mark.parametrize("mode", ["wrap", "stream"])
 def test_a_handler_set_before_the_attach_runs_traced(tmp_path, programs, mode):
     # the agent gives the kernel its signal stub for the handlers already set as it comes

@@ -179,6 +179,9 @@ typedef struct {
 } BtCopy;
 typedef struct BtCopyChunk {
   struct BtCopyChunk *prev;
+  /* the copies its entries span: a lookup (one per signal handler run) reads only the
+     chunks whose span holds the pc, not every block the thread compiled */
+  uint64_t lo, hi;
   uint64_t used; /* bytes of BtCopy entries after this header */
 } BtCopyChunk;
 
@@ -2817,8 +2820,14 @@ static void add_copy(BtThread *t, uint64_t copy, uint64_t copy_size, uint64_t st
       return; /* a fault in the block is then known by its block alone */
     fresh->prev = c;
     fresh->used = 0;
+    fresh->lo = copy;
+    fresh->hi = copy + copy_size;
     t->copies = c = fresh;
   }
+  if (copy < c->lo)
+    c->lo = copy;
+  if (copy + copy_size > c->hi)
+    c->hi = copy + copy_size;
   BtCopy *e = (BtCopy *)((uint8_t *)(c + 1) + c->used);
   e->copy = copy;
   e->start = start;
@@ -2839,6 +2848,8 @@ static void add_copy(BtThread *t, uint64_t copy, uint64_t copy_size, uint64_t st
 /* The program's instruction that Stalker's copy holds at `pc`, or 0. */
 static uint64_t program_address(BtThread *t, uint64_t pc) {
   for (const BtCopyChunk *c = t->copies; c != NULL; c = c->prev) {
+    if (pc < c->lo || pc >= c->hi)
+      continue;
     const BtCopy *found = NULL;
     for (uint64_t at = 0; at < c->used;) {
       const BtCopy *e = (const BtCopy *)((const uint8_t *)(c + 1) + at);
@@ -2864,6 +2875,8 @@ static uint64_t program_address(BtThread *t, uint64_t pc) {
    before the code of its record: the record is then still to be written. */
 static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, int *at_start) {
   for (const BtCopyChunk *c = t->copies; c != NULL; c = c->prev) {
+    if (pc < c->lo || pc >= c->hi)
+      continue;
     const BtCopy *found = NULL;
     for (uint64_t at = 0; at < c->used;) {
       const BtCopy *e = (const BtCopy *)((const uint8_t *)(c + 1) + at);
