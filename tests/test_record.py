@@ -3326,9 +3326,11 @@ def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, 
     """A handler entered while the record sequence is between reading and writing `wp`
     must not write into the ring then (the sequence would write over it); and every
     handler run that interrupted the traced thread leaves exactly one GAP."""
-    n = 3_000_000  # ~9M records: a 64 MiB wrap buffer keeps them all
+    # ~9M records, and the ticks' printout some 80 blocks a tick (80,000 ticks on a loaded
+    # machine: 16.5M records, which filled a 64 MiB wrap buffer): 128 MiB keeps them all
+    n = 3_000_000
     res = record(
-        tmp_path / "d", "--buffer-size", "64M", "--", str(programs["alarm"]), str(n), mode=mode
+        tmp_path / "d", "--buffer-size", "128M", "--", str(programs["alarm"]), str(n), mode=mode
     )
     assert res.returncode == 0, res.stderr
     counts, at_tick = res.stdout.splitlines()
@@ -3353,12 +3355,15 @@ def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, 
     # when the signal came inside it (INTERRUPT_INSIDE), not when the block was yet to run
     f = modules(trace, tid).runtime_address("alarm", "f")
     resumed = np.zeros(recs.size, bool)
+    blocks = np.flatnonzero(recs["type"] == RecordType.BLOCK)
     inside = False
     for i in np.flatnonzero(recs["type"] == RecordType.BRANCH).tolist():
         if (recs["arg"][i] & 0xFF) == BranchKind.INTERRUPT:
             inside = bool(recs["arg"][i] & INTERRUPT_INSIDE)
-        elif recs["arg"][i] == BranchKind.SYSCALL and i + 1 < recs.size:
-            resumed[i + 1] = inside
+        elif recs["arg"][i] == BranchKind.SYSCALL:  # the next block (a TIME may come first)
+            after = np.searchsorted(blocks, i)
+            if after < blocks.size:
+                resumed[blocks[after]] = inside
     calls_before = np.cumsum((recs["type"] == RecordType.BLOCK) & (recs["a"] == f) & ~resumed)
     at_entry = calls_before[np.flatnonzero(entered)]
     off = np.array(at_tick.split(), dtype=np.int64) - at_entry
