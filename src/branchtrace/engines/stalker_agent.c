@@ -2324,9 +2324,10 @@ static void on_close(GumCpuContext *cpu, gpointer user_data) {
     cpu->rdi = (uint64_t)-1;
 }
 
-/* Signal handlers: the kernel enters them natively, outside Stalker's code cache, so their
-   branches are not recorded.  Each handler the program installs gets an entry hook that
-   marks the gap in the interrupted thread's trace; it is never silent. */
+/* Signal handlers: the kernel enters them natively, outside Stalker's code cache.  Most
+   runs are sent on into the thread's own compiled code and traced (bt_signal_enter); each
+   handler the program installs also gets an entry hook, which marks a run that went
+   natively with a GAP in the interrupted thread's trace: it is never silent. */
 extern int bt_new_handler(void *handler);
 uint64_t bt_fault_restorer(void);
 
@@ -2492,8 +2493,10 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
    handler the program set (not the fault signals, which on_fault() takes), the kernel is
    given the agent's signal stub instead (bt_sigstub in the script; the program's handler
    is in the stub's table), which calls bt_signal_enter.  When the thread was interrupted in
-   Stalker's copy of its code exactly where one of the program's instructions begins (no
-   state of Gum's in flight there), the stub "returns" into the copy of a `ret` that Stalker
+   Stalker's copy of its code exactly where one of the program's instructions begins, or in
+   the record of a block at a step where the sequence can be left and taken up again (no
+   state of Gum's in flight in either; the thread's saved rax and rcx are kept across the
+   handler), the stub "returns" into the copy of a `ret` that Stalker
    compiled for the thread, with the handler's address on the stack: Gum's code for the
    `ret` looks the handler up in the thread's own context, and the handler runs traced, as
    a call from that point.  The handler sees the program's pc in its frame, not the copy's;
