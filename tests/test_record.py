@@ -3449,6 +3449,24 @@ def test_nested_handlers_siginfo_and_siglongjmp_out_of_a_handler_run_traced(tmp_
     assert names == ["with_info", "outer", "inner", "leaving", "leaving", "leaving"]
 
 
+def test_a_forked_child_traced_with_follow_fork_runs_its_handlers_traced(tmp_path, programs):
+    # the child inherits the kernel's action -- the parent's agent's signal stub -- and its
+    # own agent finds the program's handler behind it: each process's three runs traced
+    exe = programs["forksig"]
+    res = record(tmp_path / "d", "--follow-fork", "--mode", "stream", "--", str(exe))
+    assert res.returncode == 0 and "untraced" not in res.stderr, res.stderr
+    assert sorted(res.stdout.splitlines()) == ["child 30", "parent 30"]
+    trace = TraceDir.open(tmp_path / "d")
+    threads = trace.threads()
+    assert len(threads) == 2 and len({trace.meta()["threads"][str(t)]["pid"] for t in threads}) == 2
+    for tid in threads:
+        recs = parse_words(*trace.words(tid))
+        assert int(signal_deliveries(recs).sum()) == 3, tid
+        assert calls_to(trace, tid, exe, "f") == 3, tid
+        problems, checked = discontinuities(branchtrace.open(tmp_path / "d"), tid)
+        assert checked > 50 and not problems, problems[:10]
+
+
 @pytest.mark.parametrize("mode", ["wrap", "stream"])
 def test_a_handler_set_before_the_attach_runs_traced(tmp_path, programs, mode):
     # the agent gives the kernel its signal stub for the handlers already set as it comes
