@@ -315,7 +315,8 @@ const sigStub = (() => {
   const nativeRet = code.length;
   code.push(0xc3);
   const disp = nativeRet - (nativeRetFixup + 4);
-  code.splice(nativeRetFixup, 4, disp & 0xff, (disp >> 8) & 0xff, 0, 0);
+  code.splice(nativeRetFixup, 4, disp & 0xff, (disp >> 8) & 0xff, (disp >> 16) & 0xff,
+    (disp >> 24) & 0xff);
   stub.writeByteArray(code);
   stub.add(page + 8).writeU64(uint64('0x6274736967737462'));
   stub.add(page + 16).writePointer(stub.add(nativeRet));

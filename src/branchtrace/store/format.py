@@ -131,7 +131,7 @@ INTERRUPT_INSIDE = 0x200
 
 class GapReason(IntEnum):
     FORK = 1  #: fork() runs untraced (Frida Stalker cannot follow a thread through it)
-    SIGNAL = 2  #: a signal handler runs untraced (the kernel enters it outside Stalker)
+    SIGNAL = 2  #: a signal handler ran natively, untraced (not sent into Stalker's copy)
     #: a signal handler left by a jump (siglongjmp), or returned to a pc it moved, rather
     #: than to where the signal came: the thread is traced again from there, and no branch
     #: spans the gap
