@@ -44,7 +44,7 @@ FIXTURES = {
     "tailcall": ((), "35"),
     "longjmp": ((), "45"),
     "signal": ((), "30"),
-    "sighandlers": ((), "31111 pc-in-libc 3"),
+    "sighandlers": ((), "31111 pc-in-libc 3 own-handlers"),
     "threads_small": ((), "67"),
     "crash": ((), None),
     "exceptions": ((), "27"),

@@ -3436,7 +3436,7 @@ def test_nested_handlers_siginfo_and_siglongjmp_out_of_a_handler_run_traced(tmp_
     exe = programs["sighandlers"]
     native, res = untraced_then_traced(tmp_path / "d", str(exe), options=("--mode", "stream"))
     assert (res.returncode, res.stdout) == (native.returncode, native.stdout), res.stderr
-    assert res.stdout == "31111 pc-in-libc 3\n" and "untraced" not in res.stderr
+    assert res.stdout == "31111 pc-in-libc 3 own-handlers\n" and "untraced" not in res.stderr
     trace = TraceDir.open(tmp_path / "d")
     (tid,) = trace.threads()
     assert calls_to(trace, tid, exe, "f") == 7

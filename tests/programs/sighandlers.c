@@ -2,7 +2,9 @@
    its frame holds lies in the C library, whose raise() was interrupted (the program's own
    code, not a tracer's copy of it), a handler interrupted by another signal it raises
    (nested), and one that leaves by siglongjmp() back into main.  Prints the sum of f's
-   arguments, where the pc was, and the rounds that jumped. */
+   arguments, where the pc was, the rounds that jumped, and whether sigaction() and
+   signal() give the program back its own handlers (a tracer may have put its own in the
+   kernel). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <setjmp.h>
@@ -45,6 +47,10 @@ int main(void) {
   signal(SIGUSR2, inner);
   signal(SIGHUP, outer);
   signal(SIGTERM, leaving);
+  struct sigaction old;
+  int own = sigaction(SIGUSR1, NULL, &old) == 0 && old.sa_sigaction == with_info &&
+            (old.sa_flags & SA_SIGINFO) && signal(SIGUSR2, inner) == inner &&
+            signal(SIGHUP, outer) == outer;
   raise(SIGUSR1);
   raise(SIGHUP);
   int jumped = 0;
@@ -54,6 +60,7 @@ int main(void) {
     else
       jumped++;
   }
-  printf("%ld %s %d\n", sink, pc_in_libc == 1 ? "pc-in-libc" : "pc-elsewhere", jumped);
+  printf("%ld %s %d %s\n", sink, pc_in_libc == 1 ? "pc-in-libc" : "pc-elsewhere", jumped,
+         own ? "own-handlers" : "foreign-handlers");
   return 0;
 }
