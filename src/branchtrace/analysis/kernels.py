@@ -214,6 +214,36 @@ def block_bounds(unique: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return start, start + (unique >> np.uint64(BLOCK_ADDR_BITS))
 
 
+_CALL, _ICALL, _RET, _SYSCALL = (
+    int(k)
+    for k in (BranchKind.CALL, BranchKind.INDIRECT_CALL, BranchKind.RETURN, BranchKind.SYSCALL)
+)
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _transfer_kind(src, dst, k, size, hook_reach):  # type: ignore[no-untyped-def]
+    """The kind of the transfer from a block's last instruction at src (of kind k and
+    length size) to dst; 0 when there is none: a fall-through (a conditional jump not
+    taken, a block split) or the relocated head of a hooked function."""
+    falls = dst == src + size
+    if k == _NOT_A_BRANCH:
+        if falls or (dst > src and dst - src <= hook_reach):
+            return 0
+        return _INTERRUPT_KIND
+    if falls and k == _CONDITIONAL:
+        return 0
+    return k
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _put(out_from, out_to, out_kind, out_block, c, src, dst, k, block):  # type: ignore[no-untyped-def]
+    out_from[c] = src
+    out_to[c] = dst
+    out_kind[c] = k
+    out_block[c] = block
+    return c + 1
+
+
 @nb.njit(cache=True, nogil=True)
 def branch_part(
     lo,
@@ -241,77 +271,40 @@ def branch_part(
     for i in range(lo, hi):
         a = ids[i]
         b = ids[i + 1]
+        src = last[a]
         while j < nbrk and break_at[j] < i + 1:
             j += 1
         if j < nbrk and break_at[j] == i + 1:
             x = break_detail[j]
             brk = break_kind[j]
             if brk == BREAK_SIGRETURN_INTERRUPT:
-                out_from[c] = last[a] + np.uint64(size[a])  # the restorer's system call
-                out_to[c] = x
-                out_kind[c] = _SYSCALL
-                out_block[c] = i + 1
-                c += 1
-                out_from[c] = x
-                out_to[c] = start[b]
-                out_kind[c] = _INTERRUPT_KIND
-                out_block[c] = i + 1
-                c += 1
+                restorer_syscall = src + np.uint64(size[a])
+                c = _put(
+                    out_from, out_to, out_kind, out_block, c, restorer_syscall, x, _SYSCALL, i + 1
+                )
+                c = _put(
+                    out_from, out_to, out_kind, out_block, c, x, start[b], _INTERRUPT_KIND, i + 1
+                )
             elif brk == BREAK_INTERRUPT or brk >= BREAK_INTERRUPT_AT_START:
                 # a signal that came after block a's own branch (at the first instruction of
                 # the block it went to): that branch was taken first
-                k = kind[a]
-                src = last[a]
-                fall = src + np.uint64(size[a])
                 if brk == BREAK_INTERRUPT:
-                    taken = not (start[a] < x <= src) and x != fall
+                    taken = not (start[a] < x <= src) and x != src + np.uint64(size[a])
                 else:
                     taken = brk == BREAK_INTERRUPT_AT_START
-                if taken and k == _NOT_A_BRANCH:
-                    taken = not (x == fall or (x > src and x - src <= hook_reach))
-                    k = _INTERRUPT_KIND
-                elif taken and k == _CONDITIONAL:
-                    taken = x != fall
-                if taken:
-                    out_from[c] = src
-                    out_to[c] = x
-                    out_kind[c] = k
-                    out_block[c] = i + 1
-                    c += 1
-                out_from[c] = x
-                out_to[c] = start[b]
-                out_kind[c] = _INTERRUPT_KIND
-                out_block[c] = i + 1
-                c += 1
+                k = _transfer_kind(src, x, kind[a], np.uint64(size[a]), hook_reach)
+                if taken and k != 0:
+                    c = _put(out_from, out_to, out_kind, out_block, c, src, x, k, i + 1)
+                c = _put(
+                    out_from, out_to, out_kind, out_block, c, x, start[b], _INTERRUPT_KIND, i + 1
+                )
             elif brk == BREAK_SIGRETURN:  # the way back from a traced handler
-                out_from[c] = x
-                out_to[c] = start[b]
-                out_kind[c] = _SYSCALL
-                out_block[c] = i + 1
-                c += 1
+                c = _put(out_from, out_to, out_kind, out_block, c, x, start[b], _SYSCALL, i + 1)
             continue
-        src = last[a]
-        dst = start[b]
-        k = kind[a]
-        falls = dst == src + np.uint64(size[a])
-        if k == _NOT_A_BRANCH:
-            if falls or (dst > src and dst - src <= hook_reach):
-                continue  # a block split, or the relocated head of a hooked function
-            k = _INTERRUPT_KIND
-        elif falls and k == _CONDITIONAL:
-            continue
-        out_from[c] = src
-        out_to[c] = dst
-        out_kind[c] = k
-        out_block[c] = i + 1
-        c += 1
+        k = _transfer_kind(src, start[b], kind[a], np.uint64(size[a]), hook_reach)
+        if k != 0:
+            c = _put(out_from, out_to, out_kind, out_block, c, src, start[b], k, i + 1)
     return c
-
-
-_CALL, _ICALL, _RET, _SYSCALL = (
-    int(k)
-    for k in (BranchKind.CALL, BranchKind.INDIRECT_CALL, BranchKind.RETURN, BranchKind.SYSCALL)
-)
 
 
 @nb.njit(cache=True, nogil=True)

@@ -2588,18 +2588,12 @@ void bt_restore_handlers(void) {
   }
 }
 
+static void write_escape(BtThread *t, const uint64_t *words, unsigned n);
+
 static void write_branch(BtThread *t, uint64_t kind, uint64_t from, uint64_t to) {
-  if (t->closed)
-    return;
-  enter_c(t);
-  if (!t->closed) {
-    sync_head(t);
-    uint64_t rec[3] = {bt_escape(BT_RECORDTYPE_BRANCH, 2, kind), from & BT_PAYLOAD_MASK,
-                       to & BT_PAYLOAD_MASK};
-    write_counted(t, rec, 3);
-    refill(t);
-  }
-  leave_c(t);
+  uint64_t rec[3] = {bt_escape(BT_RECORDTYPE_BRANCH, 2, kind), from & BT_PAYLOAD_MASK,
+                     to & BT_PAYLOAD_MASK};
+  write_escape(t, rec, 3);
 }
 
 static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, int *at_start);
@@ -2848,8 +2842,8 @@ static void add_copy(BtThread *t, uint64_t copy, uint64_t copy_size, uint64_t st
   *(volatile uint64_t *)&c->used = c->used + size;
 }
 
-/* The program's instruction that Stalker's copy holds at `pc`, or 0. */
-static uint64_t program_address(BtThread *t, uint64_t pc) {
+/* The newest entry whose block's copy holds `pc` and maps an instruction, or NULL. */
+static const BtCopy *copy_holding(BtThread *t, uint64_t pc) {
   for (const BtCopyChunk *c = t->copies; c != NULL; c = c->prev) {
     if (pc < c->lo || pc >= c->hi)
       continue;
@@ -2860,48 +2854,44 @@ static uint64_t program_address(BtThread *t, uint64_t pc) {
         found = e;
       at += (sizeof(BtCopy) + 4 * e->n + 7) & ~7ULL;
     }
-    if (found == NULL || found->n == 0)
-      continue;
-    uint64_t offset = pc - found->copy;
-    unsigned k = 0;
-    while (k + 1 < found->n && found->offsets[k + 1] <= offset)
-      k++;
-    if (k + 1 == found->n && !found->whole)
-      return 0; /* in the last instruction mapped, or in one after it */
-    return found->start + found->offsets[found->n + k];
+    if (found != NULL && found->n != 0)
+      return found;
   }
-  return 0;
+  return NULL;
+}
+
+/* The program's instruction that Stalker's copy holds at `pc`, or 0. */
+static uint64_t program_address(BtThread *t, uint64_t pc) {
+  const BtCopy *found = copy_holding(t, pc);
+  if (found == NULL)
+    return 0;
+  uint64_t offset = pc - found->copy;
+  unsigned k = 0;
+  while (k + 1 < found->n && found->offsets[k + 1] <= offset)
+    k++;
+  if (k + 1 == found->n && !found->whole)
+    return 0; /* in the last instruction mapped, or in one after it */
+  return found->start + found->offsets[found->n + k];
 }
 
 /* The program's instruction whose copy starts exactly at `pc` (0: none), and the last
    instruction of its block (`last`, 0: not known).  `at_start`: `pc` is the block's first,
    before the code of its record: the record is then still to be written. */
 static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, int *at_start) {
-  for (const BtCopyChunk *c = t->copies; c != NULL; c = c->prev) {
-    if (pc < c->lo || pc >= c->hi)
-      continue;
-    const BtCopy *found = NULL;
-    for (uint64_t at = 0; at < c->used;) {
-      const BtCopy *e = (const BtCopy *)((const uint8_t *)(c + 1) + at);
-      if (pc >= e->copy && pc - e->copy < e->copy_size)
-        found = e;
-      at += (sizeof(BtCopy) + 4 * e->n + 7) & ~7ULL;
-    }
-    if (found == NULL || found->n == 0)
-      continue;
-    *last = found->whole ? found->start + found->offsets[2 * found->n - 1] : 0;
-    uint64_t at = pc - found->copy;
-    *at_start = at <= found->read_at;
-    if (*at_start)
-      return found->start; /* its record to be written, nothing of the block run yet */
-    if ((at >= found->written_at && at < found->check_end) ||
-        (at >= found->restore_at && at <= found->first_at))
-      return found->start; /* its record written, nothing of the block run yet */
-    for (unsigned k = 0; k < found->n; k++)
-      if (found->offsets[k] == at)
-        return found->start + found->offsets[found->n + k];
+  const BtCopy *found = copy_holding(t, pc);
+  if (found == NULL)
     return 0;
-  }
+  *last = found->whole ? found->start + found->offsets[2 * found->n - 1] : 0;
+  uint64_t at = pc - found->copy;
+  *at_start = at <= found->read_at;
+  if (*at_start)
+    return found->start; /* its record to be written, nothing of the block run yet */
+  if ((at >= found->written_at && at < found->check_end) ||
+      (at >= found->restore_at && at <= found->first_at))
+    return found->start; /* its record written, nothing of the block run yet */
+  for (unsigned k = 0; k < found->n; k++)
+    if (found->offsets[k] == at)
+      return found->start + found->offsets[found->n + k];
   return 0;
 }
 
@@ -3867,22 +3857,25 @@ static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
   return 0;
 }
 
-/* A BLOCK word written as a BLOCK_FAR record through bt_writer.h (a word of the ring holds
-   slots, never a BLOCK word). */
-static void write_block_far(BtThread *t, uint64_t record) {
+/* An escape record from the thread's C code, after the slots before it. */
+static void write_escape(BtThread *t, const uint64_t *words, unsigned n) {
   if (t->closed)
     return;
   enter_c(t);
-  if (t->closed) {
-    leave_c(t);
-    return;
+  if (!t->closed) {
+    sync_head(t);
+    write_counted(t, words, n);
+    refill(t);
   }
-  sync_head(t);
+  leave_c(t);
+}
+
+/* A BLOCK word written as a BLOCK_FAR record through bt_writer.h (a word of the ring holds
+   slots, never a BLOCK word). */
+static void write_block_far(BtThread *t, uint64_t record) {
   uint64_t far[2] = {bt_escape(BT_RECORDTYPE_BLOCK_FAR, 1, record >> BT_BLOCK_ADDR_BITS),
                      record & ((1ULL << BT_BLOCK_ADDR_BITS) - 1)};
-  write_counted(t, far, 2);
-  refill(t);
-  leave_c(t);
+  write_escape(t, far, 2);
 }
 
 /* A block of one instruction at `start` (stalker_agent.js, follow). */
