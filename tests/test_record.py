@@ -1500,11 +1500,9 @@ def test_threads_started_right_before_each_fork_are_traced_and_every_child_lives
     # agent's messages stopped, and the next thread to start waited for good for its ring
     # (10 of 10 recordings hung); without turns, a child now and then died in Frida's code
     exe = programs["fork"]
-    options = ["--follow-fork"] if follow else []
-    res = record(tmp_path / "d", *options, "--", str(exe), "starts", "20", timeout=120)
+    res, trace = record_following_forks(tmp_path, exe, "starts", "20", follow=follow, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout == "20 rounds, 20 children ok\n"
-    trace = TraceDir.open(tmp_path / "d")
     meta = trace.meta()
     parent = meta["pid"]
     own = [t for t in trace.threads() if meta["threads"][str(t)]["pid"] == parent]
@@ -1933,14 +1931,15 @@ def test_follow_fork_the_threads_of_each_child_are_traced_exactly(tmp_path, prog
 
 
 def record_following_forks(
-    tmp_path: Path, exe: Path, *args: str
+    tmp_path: Path, exe: Path, *args: str, follow: bool = True, **kw
 ) -> tuple[subprocess.CompletedProcess, TraceDir]:
     """`record --follow-fork -- exe args`, once more if Frida broke a child itself: a fault
     inside its recovery from a fork(), which the tool names (FRIDA_FAULT), then kills the
-    child so that the program can go on."""
-    for attempt in range(2):
+    child so that the program can go on. `follow=False`: once, without --follow-fork."""
+    options = ["--follow-fork"] if follow else []
+    for attempt in range(2 if follow else 1):
         out = tmp_path / f"d{attempt}"
-        res = record(out, "--follow-fork", "--", str(exe), *args)
+        res = record(out, *options, "--", str(exe), *args, **kw)
         if FRIDA_FAULT not in res.stderr:
             break
     return res, TraceDir.open(out)
