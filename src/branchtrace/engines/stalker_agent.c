@@ -64,16 +64,21 @@
    target at BT_REFOLLOW_TARGET (the next page). */
 #define BT_REFOLLOW_HOOK 80
 #define BT_REFOLLOW_TARGET 4096
-#define WP(t) (*(t)->wpp)
+/* C code reads and moves `wp` through the ring's own mapping of the header (wpc), never
+   through the one below 2 GiB that the inline code uses (wpp), which a held signal makes
+   inaccessible for a moment (hold_signal) */
+#define WP(t) (*(t)->wpc)
 /* wp points this far past the last slot: a slot is stored as 8 bytes at wp - 4, the block
    id and a zero for the slot after it, so a word is always whole (docs/format.md) */
 #define SLOT_LEAD 4
 /* nested signal handlers whose frame a thread notes (bt_on_handler_entry) */
 #define BT_HANDLER_DEPTH 8
 #define UC_RIP 168 /* a ucontext's uc_mcontext.gregs[REG_RIP] */
+#define UC_SIGMASK 296  /* uc_sigmask: the mask the signal interrupted */
 
 typedef struct {
   uint64_t *wpp;         /* the write pointer: the ring header's inline_ptr, or `wp` */
+  uint64_t *wpc;         /* the same word, as C code reaches it (WP) */
   uint64_t wp;
   uint8_t *header32;     /* the ring's header page mapped again below 2 GiB, or NULL */
   struct bt_writer w;
@@ -139,7 +144,16 @@ typedef struct {
   uint64_t handler_saved[BT_HANDLER_DEPTH][2];
   uint64_t ret_copy;     /* a `ret` of the program's compiled in `ret_copy_ctx` */
   uint8_t *ret_copy_ctx;
+  /* a signal that came in Gum's code at a block's end, held until the next block's record
+     (hold_signal): its number (0: none), the frame of the fault that lets it go, and its
+     siginfo */
+  volatile int held_sig;
+  uint64_t trap_uc;
+  uint8_t held_info[128];
 } BtThread;
+
+static void settle_held_signal(BtThread *t);
+
 
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
    pages a handler touches are all it costs).  A handler the program registers with
@@ -173,8 +187,9 @@ typedef struct {
   uint16_t whole;     /* 1: that is all of them */
   /* in the block's record: where it reads `wp`; from where the slot is written up to where
      the chunk check jumps nowhere but on; where the registers it saved are loaded back;
-     and where the first instruction's copy starts */
-  uint16_t read_at, written_at, check_end, restore_at, first_at, pad[3];
+     and where the first instruction's copy starts.  Then where the code Gum wrote for the
+     block's last instruction ends (its branch to the next block) */
+  uint16_t read_at, written_at, check_end, restore_at, first_at, branch_end, pad[2];
   uint16_t offsets[]; /* n offsets into the copy, then n into the program's block */
 } BtCopy;
 typedef struct BtCopyChunk {
@@ -529,6 +544,8 @@ void bt_thread_forget(BtThread *t) {
   if (t->header32 != NULL &&
       mmap(t->header32, 4096, 3, 0x32 /* PRIVATE|FIXED|ANONYMOUS */, -1, 0) != t->header32)
     t->wpp = &t->wp;
+  t->wpc = t->wpp; /* not the parent's header */
+  t->held_sig = 0; /* the parent's */
   t->closed = 1;
   WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
   close(t->w.fd);
@@ -637,9 +654,10 @@ static int open_ring(BtThread *t, const char *path, uint32_t tid) {
   t->header32 = mmap(NULL, 4096, 3, 0x41 /* SHARED|32BIT */, fd, 0);
   if (t->header32 == (uint8_t *)-1) {
     t->header32 = NULL;
-    t->wpp = &t->wp;
+    t->wpp = t->wpc = &t->wp;
   } else {
     t->wpp = (uint64_t *)(t->header32 + BT_OFF_INLINE_PTR);
+    t->wpc = (uint64_t *)(map + BT_OFF_INLINE_PTR);
     t->w.zero_chunks = 0;
     BT_HDR64(&t->w, BT_OFF_INLINE_BASE) = (uint64_t)t->w.data;
   }
@@ -1602,6 +1620,7 @@ void bt_fork_first(void) {
   BtThread *t = current_thread();
   if (t == NULL || in_forked_child())
     return; /* the entry listener takes the turn */
+  settle_held_signal(t);
   t->fork_kept = 1; /* as bt_fork_mark: the script left the stub's `inner` out too */
   t->fork_native = 1;
   if (!g_atomic_int_add(&STATE->fork_turns, 0))
@@ -1822,6 +1841,7 @@ void bt_fork_mark(void) {
   if (in_forked_child())
     return;
   BtThread *t = current_thread();
+  settle_held_signal(t);
   if (t != NULL)
     t->fork_kept = t->fork_native = 1;
 }
@@ -2120,8 +2140,9 @@ static void on_thread_ending(GumCpuContext *cpu_context, gpointer user_data) {
 static void release_thread(BtThread *t, int ended) {
   if (t->reserve == NULL)
     return;
+  settle_held_signal(t);
   if (ended) {
-    t->wpp = &t->wp;
+    t->wpp = t->wpc = &t->wp;
     if (t->header32 != NULL)
       munmap(t->header32, 4096);
     t->header32 = NULL;
@@ -2133,6 +2154,7 @@ static void release_thread(BtThread *t, int ended) {
          0);
     for (int i = 0; i < 512; i++)
       page[i] = copy[i];
+    t->wpc = t->wpp; /* the ring's mapping goes */
   }
   munmap(t->reserve, t->reserve_size); /* the ring and its block table */
   munmap(t->scratch_area, 2 * BT_CHUNK);
@@ -2510,6 +2532,7 @@ static int is_syscall_at(uint64_t address);
 #define BT_SIGSTUB_MAGIC 4104
 #define BT_SIGSTUB_NATIVE_RET 4112 /* a `ret` of the stub's: to the handler, natively */
 #define BT_SIGSTUB_RESTORER_SYSCALL 4120 /* (restorer_syscall) */
+#define BT_SIGSTUB_SKIP 4128       /* back to the kernel, no handler run (hold_signal) */
 #define BT_SIGSTUB_HANDLERS 4160   /* the program's handler for each signal 1-64 */
 #define BT_SIGSTUB_MAGIC_VALUE 0x6274736967737462ULL
 #define SA_RESTORER_FLAG 0x04000000ULL
@@ -2577,6 +2600,10 @@ void bt_restore_handlers(void) {
   if (in_forked_child())
     return;
   *stub_slot(BT_SIGSTUB_ENTER) = 0;
+  for (int i = 0; i < STATE->nthreads; i++)
+    if (STATE->threads[i] != NULL) {
+      settle_held_signal(STATE->threads[i]);
+    }
   for (int sig = 1; sig <= 64; sig++) {
     BtSigaction now;
     uint64_t handler = stub_slot(BT_SIGSTUB_HANDLERS)[sig];
@@ -2597,6 +2624,9 @@ static void write_branch(BtThread *t, uint64_t kind, uint64_t from, uint64_t to)
 }
 
 static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, int *at_start);
+static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc);
+static const BtCopy *copy_holding(BtThread *t, uint64_t pc);
+static int in_branch_code(BtThread *t, uint64_t pc);
 
 /* From the signal stub, on the handler's frame: out[0] is where the stub goes, out[1] the
    handler (the stub's `ret` takes out[0], Gum's or its own `ret` out[1]). */
@@ -2610,6 +2640,11 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
   if (t == NULL || t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
       g_atomic_int_add(&STATE->renewals_held, 0))
     return;
+  if (t->held_sig == sig) { /* delivered once for both, as a standard signal already
+                               pending is */
+    out[1] = *stub_slot(BT_SIGSTUB_SKIP);
+    return;
+  }
   enter_c(t);
   if (!t->closed)
     finish_interrupted_record(t, uc);
@@ -2618,6 +2653,10 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
   uint64_t last = 0;
   int at_start = 0;
   uint64_t from = copied_instruction_at(t, *rip, &last, &at_start);
+  if (from == 0 && hold_signal(t, (int)sig, info, uc)) {
+    out[1] = *stub_slot(BT_SIGSTUB_SKIP);
+    return;
+  }
   if (from == 0 || (!at_start && last == 0) || t->ret_copy == 0 ||
       t->ret_copy_ctx != t->exec_ctx || t->exec_ctx == NULL ||
       (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */)
@@ -2635,6 +2674,92 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
   t->handlers_running = depth + 1;
   *rip = from; /* what the handler sees (Go's runtime reads it) */
   out[0] = t->ret_copy;
+}
+
+/* Signals that come in the code Gum wrote for a block's last instruction (its branch: an
+   inline cache, a lookup's prolog; about two thirds of those a timer sent that were not
+   traced) cannot be followed into their handler there: Gum's state is in flight.  But no
+   instruction of the program runs between there and the next block's record, so the
+   signal is held until that record, where it is delivered as if it had come there: the
+   stub goes back to the kernel without running the handler (BT_SIGSTUB_SKIP), the signal
+   kept with its siginfo, and the page of the header the inline code reads `wp` from made
+   inaccessible.  The record's first instruction then faults (let_go_held, from on_fault),
+   which queues the signal again (rt_tgsigqueueinfo), blocked until that fault's handler
+   returns: the kernel delivers it right there, at a step of the record where the handler
+   can be followed (bt_signal_enter).  Only standard signals (one of each is ever pending,
+   so queueing one again cannot fail), with on_fault in place for SIGSEGV and SIGSEGV not
+   blocked, with the stub still the kernel's handler (not reset by SA_RESETHAND), and room
+   in the block table (a block compiled past it has no inline record).  The way from there
+   to the next record runs only Gum's code and, through the fork stub, the agent's, which
+   gives the signal back at once (settle_held_signal); so does the end of the recording. */
+static int in_branch_code(BtThread *t, uint64_t pc) {
+  const BtCopy *found = copy_holding(t, pc);
+  if (found == NULL || !found->whole || found->branch_end == 0)
+    return 0;
+  uint64_t at = pc - found->copy;
+  return at > found->offsets[found->n - 1] && at < found->branch_end;
+}
+
+static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc) {
+  BtSigaction now;
+  int segv = fault_index(11);
+  uint64_t mask = *(const uint64_t *)(uc + UC_SIGMASK);
+  if (sig >= 32 || t->held_sig != 0 || t->header32 == NULL ||
+      t->wpp != (uint64_t *)(t->header32 + BT_OFF_INLINE_PTR) || t->next_id >= t->table_cap ||
+      segv < 0 || !(STATE->faults_taken >> segv & 1) || (mask >> 10 & 1) /* SIGSEGV */ ||
+      !in_branch_code(t, *(const uint64_t *)(uc + UC_RIP)) ||
+      syscall(13 /* rt_sigaction */, sig, NULL, &now, 8) != 0 || now.handler != (void *)bt_sigstub)
+    return 0;
+  for (int i = 0; i < 128; i++)
+    t->held_info[i] = info[i];
+  t->held_sig = sig;
+  if (syscall(10 /* mprotect */, t->header32, 4096, 0 /* PROT_NONE */) != 0) {
+    t->held_sig = 0;
+    return 0;
+  }
+  return 1;
+}
+
+/* The held signal queued again for its thread, from any thread (0: none was held). */
+static int queue_held(BtThread *t) {
+  int held = t->held_sig;
+  if (held == 0 || swap_int((int *)&t->held_sig, held, 0) != held)
+    return 0;
+  syscall(10 /* mprotect */, t->header32, 4096, 3 /* PROT_READ|WRITE */);
+  syscall(297 /* rt_tgsigqueueinfo */, getpid(), t->tid, held, t->held_info);
+  return held;
+}
+
+/* Off the way to the next record (the fork stub's native fork(), a thread let go of): the
+   held signal now, where the thread is (natively: a GAP). */
+static void settle_held_signal(BtThread *t) {
+  if (t != NULL && !in_forked_child())
+    queue_held(t);
+}
+
+/* From on_fault: a fault on the header page of a thread holding a signal is that thread's
+   next record; the signal goes in as the fault's handler returns. */
+static int let_go_held(const uint8_t *info, uint8_t *uc) {
+  uint64_t address = *(const uint64_t *)(info + 16); /* si_addr */
+  uint32_t tid = (uint32_t)syscall(186 /* gettid */);
+  for (int i = 0; i < STATE->nthreads; i++) {
+    BtThread *t = STATE->threads[i];
+    if (t == NULL || t->tid != tid || t->header32 == NULL ||
+        address - (uint64_t)t->header32 >= 4096)
+      continue;
+    int held = t->held_sig;
+    uint64_t bit = held == 0 ? 0 : 1ULL << (held - 1);
+    if (held != 0) /* blocked until the fault's handler returns */
+      syscall(14 /* rt_sigprocmask */, 0 /* SIG_BLOCK */, &bit, NULL, 8);
+    if (queue_held(t) == held && held != 0) {
+      *(uint64_t *)(uc + UC_SIGMASK) &= ~bit;
+      t->trap_uc = (uint64_t)uc;
+    } else { /* given back meanwhile (settle_held_signal) */
+      syscall(10 /* mprotect */, t->header32, 4096, 3 /* PROT_READ|WRITE */);
+    }
+    return 1;
+  }
+  return 0;
 }
 
 /* A handler runs outside Stalker, and one that returns goes back into Stalker's copy of
@@ -2662,6 +2787,10 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
   BtThread *t = in_forked_child() ? NULL : current_thread();
   if (t == NULL)
     return;
+  if (t->trap_uc != 0 && t->trap_uc == ic->cpu_context->rsp) {
+    t->trap_uc = 0; /* the fault that let a held signal go (let_go_held): no handler's */
+    return;
+  }
   int depth = t->handlers_running;
   if (t->handlers_running > 0)
     t->handlers_running--;
@@ -2836,6 +2965,7 @@ static void add_copy(BtThread *t, uint64_t copy, uint64_t copy_size, uint64_t st
   e->check_end = record[2];
   e->restore_at = record[3];
   e->first_at = record[4];
+  e->branch_end = record[5];
   for (unsigned i = 0; i < 2 * n; i++)
     e->offsets[i] = offsets[i];
   /* last: a fault that interrupts this (in the thread's own handler) sees whole entries */
@@ -3118,7 +3248,6 @@ __asm__(".text\n"
 #define SA_NODEFER 0x40000000
 #define SA_RESETHAND 0x80000000ULL
 #define UC_FPREGS 224   /* uc_mcontext.fpregs: where the frame keeps the FPU state */
-#define UC_SIGMASK 296  /* uc_sigmask: the mask the signal interrupted */
 
 /* Where the kernel's signal frame ends: after its FPU state (the size its
    software-reserved bytes give: FP_XSTATE_MAGIC1, extended_size), or after the siginfo
@@ -3227,6 +3356,8 @@ static void note_frida_fault(int sig, const uint8_t *info, const uint8_t *uc) {
    dies of the signal dies there too (a core dump shows the program's pc), and one whose
    handler returns resumes in the copy, traced. */
 static void on_fault(int sig, void *info, void *uc) {
+  if (sig == 11 && !in_forked_child() && let_go_held(info, uc))
+    return;
   uint64_t *rip = (uint64_t *)((uint8_t *)uc + UC_RIP);
   uint64_t in_copy = *rip;
   BtThread *t = in_forked_child() ? NULL : current_thread(); /* one of ours, traced */
@@ -4051,7 +4182,8 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
   uint64_t wp_addr = (uint64_t)t->wpp;
   uint64_t copy = 0; /* where the block's copy starts, for a block of the program's */
   uint16_t offsets[2 * BT_COPY_MAX]; /* BtCopy's, the copy's first */
-  uint16_t record_at[5] = {0, 0, 0, 0, 0}; /* BtCopy's read_at ... first_at (spilled: 0) */
+  uint16_t record_at[6] = {0, 0, 0, 0, 0, 0}; /* BtCopy's read_at ... branch_end (spilled:
+                                                  0) */
   unsigned mapped = 0;
 
   int first = 1;
@@ -4127,6 +4259,8 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     }
     gum_stalker_iterator_keep(iterator);
   }
+  if (copy != 0)
+    record_at[5] = (uint16_t)(cw->pc - copy);
   if (tail_slow)
     put_tail_slow_path(iterator, cw, t, slot, r, start);
   if (copy != 0) {

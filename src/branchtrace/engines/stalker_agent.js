@@ -284,7 +284,8 @@ const newRefollow = new NativeCallback(() => {
 // The signal stub: the kernel's handler for the signals whose handlers the program set
 // (bt_signal_enter in stalker_agent.c), with its data in the next page: bt_signal_enter's
 // address (0 once the recording has ended: the handler then runs natively), a magic, a
-// `ret` of the stub's, and the program's handler for each signal.  Mapped for good, as the
+// `ret` of the stub's, the restorer's system call (found later), the stub's way back to the
+// kernel without the handler, and the program's handler for each signal.  Mapped for good, as the
 // refollow stub: a signal may be on its way there as this script unloads.
 const sigStub = (() => {
   const mmap = new NativeFunction(libc('mmap'), 'pointer',
@@ -314,12 +315,16 @@ const sigStub = (() => {
   code.push(0x48, 0x89, 0x44, 0x24, 0x08, 0x31, 0xc0, 0xc3); // mov [rsp+8], rax; xor eax, eax; ret
   const nativeRet = code.length;
   code.push(0xc3);
+  // a held signal (hold_signal): past the restorer's address, straight to rt_sigreturn
+  const skip = code.length;
+  code.push(0x48, 0x83, 0xc4, 0x08, 0xb8, 0x0f, 0, 0, 0, 0x0f, 0x05); // add rsp, 8; mov eax, 15; syscall
   const disp = nativeRet - (nativeRetFixup + 4);
   code.splice(nativeRetFixup, 4, disp & 0xff, (disp >> 8) & 0xff, (disp >> 16) & 0xff,
     (disp >> 24) & 0xff);
   stub.writeByteArray(code);
   stub.add(page + 8).writeU64(uint64('0x6274736967737462'));
   stub.add(page + 16).writePointer(stub.add(nativeRet));
+  stub.add(page + 32).writePointer(stub.add(skip));
   if (!Memory.protect(stub, page, 'r-x')) {
     throw new Error('the signal stub cannot be made executable');
   }
