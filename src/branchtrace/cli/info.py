@@ -247,6 +247,23 @@ def info(path: Path, as_json: bool) -> None:
                 + ", ".join(f"{reason} {n}" for reason, n in sorted(gaps.items())),
                 markup=False,
             )
+        signals: dict[str, int] = {}
+        for thread in (meta.get("threads") or {}).values():
+            for how, n in (thread.get("signals") or {}).items():
+                signals[how] = signals.get(how, 0) + n
+        if signals.get("held"):
+            merged = signals.get("merged", 0)
+            out.print(
+                f"signals delivered at the next block's start: {signals['held']:,} (they came "
+                "in Stalker's code, where no instruction of the program was under way)"
+                + (
+                    f"; {merged:,} more of the same came meanwhile, delivered with them once, "
+                    "as the kernel does a standard signal already pending"
+                    if merged
+                    else ""
+                ),
+                markup=False,
+            )
         for w in meta.get("warnings") or []:
             out.print(f"warning: {w}", markup=False)
     per_thread = meta["records_per_thread"] if meta else {}

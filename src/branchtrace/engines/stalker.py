@@ -1658,6 +1658,9 @@ class _Recording:
             except StoreError as e:
                 records, gaps = _agent_counts(ring)
                 self._error(f"thread {thread_label(tid)}: records not counted exactly: {e}")
+        signals = {
+            how: n for how in ("held", "merged") if (n := ring._get(f"counted_signals_{how}"))
+        }
         if tid not in self.released and _writer_done(ring):
             ring.release_unused(drained=reader is not None)
         ring.close()
@@ -1666,6 +1669,7 @@ class _Recording:
             records=records,
             lost=lost,
             gaps={GapReason(r).name.lower(): n for r, n in gaps.items()},
+            signals=signals,
         )
         return stats, spilled
 

@@ -2642,6 +2642,8 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
     return;
   if (t->held_sig == sig) { /* delivered once for both, as a standard signal already
                                pending is */
+    BT_HDR64(&t->w, BT_OFF_COUNTED_SIGNALS_MERGED) =
+        BT_HDR64(&t->w, BT_OFF_COUNTED_SIGNALS_MERGED) + 1;
     out[1] = *stub_slot(BT_SIGSTUB_SKIP);
     return;
   }
@@ -2717,6 +2719,7 @@ static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t 
     t->held_sig = 0;
     return 0;
   }
+  BT_HDR64(&t->w, BT_OFF_COUNTED_SIGNALS_HELD) = BT_HDR64(&t->w, BT_OFF_COUNTED_SIGNALS_HELD) + 1;
   return 1;
 }
 

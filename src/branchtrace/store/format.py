@@ -182,7 +182,7 @@ HEADER_DTYPE = np.dtype(
             "lost_records", "lost_events", "writer_waits", "meta_head", "meta_lost",
             "inline_ptr", "inline_base", "table_offset", "table_size", "table_count",
             "table_spilled", "counted_records", "counted_gap_fork", "counted_gap_signal",
-            "counted_gap_left_handler",
+            "counted_gap_left_handler", "counted_signals_held", "counted_signals_merged",
         ],
         "formats": [
             "S8", "<u4", "<u4", "<u8", "<u8", "<u8",
@@ -193,7 +193,7 @@ HEADER_DTYPE = np.dtype(
             "<u8", "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8", "<u8",
-            "<u8",
+            "<u8", "<u8", "<u8",
         ],
         "offsets": [
             0, 8, 12, 16, 24, 32,
@@ -204,7 +204,7 @@ HEADER_DTYPE = np.dtype(
             _cacheline(256), 264, 272, 280, 288,
             _cacheline(320), 328, 336, 344, 352,
             360, 368, 376, 384,
-            392,
+            392, 400, 408,
         ],
         "itemsize": HEADER_SIZE,
     }
