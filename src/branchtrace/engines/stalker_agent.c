@@ -2709,6 +2709,7 @@ static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t 
   if (sig >= 32 || t->held_sig != 0 || t->header32 == NULL ||
       t->wpp != (uint64_t *)(t->header32 + BT_OFF_INLINE_PTR) || t->next_id >= t->table_cap ||
       segv < 0 || !(STATE->faults_taken >> segv & 1) || (mask >> 10 & 1) /* SIGSEGV */ ||
+      (uint64_t)STATE->chained[segv].restorer != bt_fault_restorer() /* hooked: trap_uc */ ||
       !in_branch_code(t, *(const uint64_t *)(uc + UC_RIP)) ||
       syscall(13 /* rt_sigaction */, sig, NULL, &now, 8) != 0 || now.handler != (void *)bt_sigstub)
     return 0;
