@@ -3407,6 +3407,40 @@ def test_timer_signals_over_libc_and_program_code_keep_the_trace_exact(tmp_path,
     assert int(into.sum()) == int(compares)
 
 
+def test_two_signals_delivered_at_once_leave_every_threads_trace_exact(tmp_path, programs):
+    """The kernel delivers two pending signals together, the second one's handler entered
+    first, at the first one's: the record sequence the first one interrupted is finished
+    before the second one's GAP is written (interrupted_frame in stalker_agent.c; without
+    it every run of this put branches out of place: a block that never ran)."""
+    exe = programs["twosignals"]
+    native = subprocess.run([exe], capture_output=True, text=True, check=True)
+    res = record(tmp_path / "d", "--", str(exe))
+    assert res.returncode == 0 and res.stdout == native.stdout, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert_counts_are_the_records(trace)
+    parent = trace.meta()["pid"]
+    workers = [t for t in trace.threads() if t != parent]
+    assert [calls_to(trace, t, exe, "f") for t in workers] == [100_000] * 4
+    assert handler_runs(tmp_path / "d") > 100
+    opened = branchtrace.open(trace.path)
+    for tid in trace.threads():
+        problems, checked = discontinuities(opened, tid)
+        assert checked > 50 and not problems, (tid, problems[:5])
+    # the main thread waits in pthread_join(): its timer signals interrupt the futex wait,
+    # which the kernel restarts, the pc set back to the `syscall` instruction: traced there
+    # (copied_instruction_at), where all of them ran natively before
+    b = opened.branches(parent)
+    mods = opened.modules(parent)
+    froms = np.unique(b["from"][b["kind"] == BranchKind.INTERRUPT])
+    index = mods.index(froms)
+    at_syscall = [
+        int(pc)
+        for pc, m in zip(froms.tolist(), index.tolist(), strict=True)
+        if m >= 0 and mods.image(m).read(mods.file_address(m, pc), 2) == b"\x0f\x05"
+    ]
+    assert at_syscall, [hex(pc) for pc in froms.tolist()]
+
+
 def assert_handler_traced_thrice(path: Path, program: Path) -> None:
     """The signal fixture's three handler runs, traced: f called from each, entered by an
     INTERRUPT branch where raise() was interrupted, back by rt_sigreturn to that place, the

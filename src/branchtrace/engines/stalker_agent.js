@@ -300,6 +300,7 @@ const sigStub = (() => {
     const disp = target - (code.length + length);
     code.push(disp & 0xff, (disp >> 8) & 0xff, (disp >> 16) & 0xff, (disp >> 24) & 0xff);
   };
+  // (what the first instructions push is known to interrupted_frame: keep them in step)
   code.push(0x48, 0x83, 0xec, 0x10); // sub rsp, 16: out[2], where the stub goes and the handler
   code.push(0x57, 0x56, 0x52); // push rdi; push rsi; push rdx (the stack is 16-aligned now)
   code.push(0x48, 0x8d, 0x4c, 0x24, 0x18); // lea rcx, [rsp+24]: out
