@@ -2407,7 +2407,7 @@ class StalkerEngine:
             runs = untraced["signal"]
             result.warnings.append(
                 f"signal handlers ran {'once' if runs == 1 else f'{runs} times'} untraced "
-                "(the signal came inside Stalker's or Frida's own code, or the handler "
+                "(the signal came inside Stalker's lookups or Frida's own code, or the handler "
                 "returns through a restorer not libc's); GAP records mark where"
                 + (
                     f"; {left} left elsewhere (siglongjmp, or a pc moved), traced again from there"
