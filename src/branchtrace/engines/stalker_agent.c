@@ -154,7 +154,6 @@ typedef struct {
 
 static void settle_held_signal(BtThread *t);
 
-
 /* The agent's signal stacks (arm_altstack): 8 MiB above a guard page, reserved only (the
    pages a handler touches are all it costs).  A handler the program registers with
    SA_ONSTACK for another signal, in a thread without a signal stack of its own, runs on
@@ -2601,9 +2600,8 @@ void bt_restore_handlers(void) {
     return;
   *stub_slot(BT_SIGSTUB_ENTER) = 0;
   for (int i = 0; i < STATE->nthreads; i++)
-    if (STATE->threads[i] != NULL) {
+    if (STATE->threads[i] != NULL)
       settle_held_signal(STATE->threads[i]);
-    }
   for (int sig = 1; sig <= 64; sig++) {
     BtSigaction now;
     uint64_t handler = stub_slot(BT_SIGSTUB_HANDLERS)[sig];
@@ -3958,11 +3956,6 @@ static unsigned match_wp_store(const uint8_t *code, int r, BtThread *t) {
   return r == 0 && same_bytes(code, b, n) ? n : 0;
 }
 
-/* If the interrupted code is inside this thread's record sequence, between its read and
-   its write of `wp`, do the rest of it on the signal frame: store the slot, move `wp`, and
-   resume after the write (the chunk check that follows sees the moved pointer).  Returns 1
-   when it did.  The frame is only written when the code there is the sequence and the
-   register holds what the sequence would hold at that point. */
 /* Two signals pending as the thread goes back to user space are delivered at once: the
    kernel sets up the first one's frame (the code it interrupted), then the second one's on
    top of it, whose pc is the first one's handler -- the signal stub -- before a single
@@ -4000,6 +3993,11 @@ static uint8_t *interrupted_frame(uint8_t *uc) {
   return uc;
 }
 
+/* If the interrupted code is inside this thread's record sequence, between its read and
+   its write of `wp`, do the rest of it on the signal frame: store the slot, move `wp`, and
+   resume after the write (the chunk check that follows sees the moved pointer).  Returns 1
+   when it did.  The frame is only written when the code there is the sequence and the
+   register holds what the sequence would hold at that point. */
 static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
   uint64_t gregs[17];
   uint8_t code[32] = {0}; /* the longest sequence tail is 26 bytes */
