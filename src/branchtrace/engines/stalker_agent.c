@@ -2621,10 +2621,11 @@ static void write_branch(BtThread *t, uint64_t kind, uint64_t from, uint64_t to)
   write_escape(t, rec, 3);
 }
 
-static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, int *at_start);
-static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc);
+static uint64_t copied_instruction_at(const BtCopy *found, uint64_t pc, uint64_t *last,
+                                      int *at_start);
+static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc,
+                       const BtCopy *found);
 static const BtCopy *copy_holding(BtThread *t, uint64_t pc);
-static int in_branch_code(BtThread *t, uint64_t pc);
 
 /* From the signal stub, on the handler's frame: out[0] is where the stub goes, out[1] the
    handler (the stub's `ret` takes out[0], Gum's or its own `ret` out[1]). */
@@ -2652,8 +2653,9 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
   uint64_t *rip = (uint64_t *)(uc + UC_RIP);
   uint64_t last = 0;
   int at_start = 0;
-  uint64_t from = copied_instruction_at(t, *rip, &last, &at_start);
-  if (from == 0 && hold_signal(t, (int)sig, info, uc)) {
+  const BtCopy *found = copy_holding(t, *rip); /* (a scan: once) */
+  uint64_t from = copied_instruction_at(found, *rip, &last, &at_start);
+  if (from == 0 && hold_signal(t, (int)sig, info, uc, found)) {
     out[1] = *stub_slot(BT_SIGSTUB_SKIP);
     return;
   }
@@ -2692,15 +2694,15 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
    in the block table (a block compiled past it has no inline record).  The way from there
    to the next record runs only Gum's code and, through the fork stub, the agent's, which
    gives the signal back at once (settle_held_signal); so does the end of the recording. */
-static int in_branch_code(BtThread *t, uint64_t pc) {
-  const BtCopy *found = copy_holding(t, pc);
+static int in_branch_code(const BtCopy *found, uint64_t pc) {
   if (found == NULL || !found->whole || found->branch_end == 0)
     return 0;
   uint64_t at = pc - found->copy;
   return at > found->offsets[found->n - 1] && at < found->branch_end;
 }
 
-static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc) {
+static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc,
+                       const BtCopy *found) {
   BtSigaction now;
   int segv = fault_index(11);
   uint64_t mask = *(const uint64_t *)(uc + UC_SIGMASK);
@@ -2708,7 +2710,7 @@ static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t 
       t->wpp != (uint64_t *)(t->header32 + BT_OFF_INLINE_PTR) || t->next_id >= t->table_cap ||
       segv < 0 || !(STATE->faults_taken >> segv & 1) || (mask >> 10 & 1) /* SIGSEGV */ ||
       (uint64_t)STATE->chained[segv].restorer != bt_fault_restorer() /* hooked: trap_uc */ ||
-      !in_branch_code(t, *(const uint64_t *)(uc + UC_RIP)) ||
+      !in_branch_code(found, *(const uint64_t *)(uc + UC_RIP)) ||
       syscall(13 /* rt_sigaction */, sig, NULL, &now, 8) != 0 || now.handler != (void *)bt_sigstub)
     return 0;
   for (int i = 0; i < 128; i++)
@@ -3006,11 +3008,12 @@ static uint64_t program_address(BtThread *t, uint64_t pc) {
   return found->start + found->offsets[found->n + k];
 }
 
-/* The program's instruction whose copy starts exactly at `pc` (0: none), and the last
-   instruction of its block (`last`, 0: not known).  `at_start`: `pc` is the block's first,
-   before the code of its record: the record is then still to be written. */
-static uint64_t copied_instruction_at(BtThread *t, uint64_t pc, uint64_t *last, int *at_start) {
-  const BtCopy *found = copy_holding(t, pc);
+/* The program's instruction whose copy starts exactly at `pc` (0: none), `found` the copy
+   entry holding `pc` (copy_holding), and the last instruction of its block (`last`, 0: not
+   known).  `at_start`: `pc` is the block's first, before the code of its record: the record
+   is then still to be written. */
+static uint64_t copied_instruction_at(const BtCopy *found, uint64_t pc, uint64_t *last,
+                                      int *at_start) {
   if (found == NULL)
     return 0;
   *last = found->whole ? found->start + found->offsets[2 * found->n - 1] : 0;
