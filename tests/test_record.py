@@ -3411,7 +3411,8 @@ def test_two_signals_delivered_at_once_leave_every_threads_trace_exact(tmp_path,
     """The kernel delivers two pending signals together, the second one's handler entered
     first, at the first one's: the record sequence the first one interrupted is finished
     before the second one's GAP is written (interrupted_frame in stalker_agent.c; without
-    it every run of this put branches out of place: a block that never ran)."""
+    it 3 runs of 3 had a thread's record count off, and a 2M-round build of this put
+    branches out of place: a block that never ran)."""
     exe = programs["twosignals"]
     native = subprocess.run([exe], capture_output=True, text=True, check=True)
     res = record(tmp_path / "d", "--", str(exe))
