@@ -3442,6 +3442,35 @@ def test_two_signals_delivered_at_once_leave_every_threads_trace_exact(tmp_path,
     assert at_syscall, [hex(pc) for pc in froms.tolist()]
 
 
+@pytest.mark.parametrize("how", ["handler", "siginfo"])
+def test_a_signal_waited_for_is_never_kept_from_its_handler(tmp_path, programs, how):
+    """One SIGUSR1 at a time, sent at a varying point of the main thread's work, which then
+    waits in read() for a byte the sender writes only once the handler has run.  A signal
+    that comes inside Stalker's copy of an instruction, or of a branch, is held until the
+    next record (hold_signal): held as it was there, then queued again.  Without
+    SA_SIGINFO the kernel leaves the siginfo in the frame unwritten; queueing that again
+    failed, the signal was lost, and both threads waited for good (1 recording of 2 at 500
+    rounds).  With SA_SIGINFO the handler gets the siginfo that was sent (its value, the
+    round)."""
+    exe = programs["handshake"]
+    rounds = 1000
+    argv = [str(exe), str(rounds), *(["siginfo"] if how == "siginfo" else [])]
+    native = subprocess.run(argv, capture_output=True, text=True, check=True)
+    res = record(tmp_path / "d", "--", *argv, timeout=120)
+    assert res.returncode == 0 and res.stdout == native.stdout, res.stderr
+    assert res.stdout.split()[1:3] == [str(rounds), "0"]
+    trace = TraceDir.open(tmp_path / "d")
+    assert_counts_are_the_records(trace)
+    main = trace.meta()["pid"]
+    # every run of the handler is in the main thread's trace: traced, or a GAP
+    assert handler_runs_of(trace, main) == rounds
+    recs = parse_words(*trace.words(main))
+    held = trace.meta()["threads"][str(main)]["signals"].get("held", 0)
+    assert 0 < held <= int(signal_deliveries(recs).sum())
+    problems, checked = discontinuities(branchtrace.open(trace.path), main)
+    assert checked > 50 and not problems, problems[:5]
+
+
 def assert_handler_traced_thrice(path: Path, program: Path) -> None:
     """The signal fixture's three handler runs, traced: f called from each, entered by an
     INTERRUPT branch where raise() was interrupted, back by rt_sigreturn to that place, the

@@ -148,8 +148,10 @@ typedef struct {
      (hold_signal): its number (0: none), the frame of the fault that lets it go, and its
      siginfo */
   volatile int held_sig;
+  int held_with_info;  /* the kernel wrote held_info: the handler is SA_SIGINFO */
   uint64_t trap_uc;
   uint8_t held_info[128];
+  uint64_t let_go_pc; /* where the last held signal was let go: never held again there */
 } BtThread;
 
 static void settle_held_signal(BtThread *t);
@@ -2693,12 +2695,35 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
    blocked, with the stub still the kernel's handler (not reset by SA_RESETHAND), and room
    in the block table (a block compiled past it has no inline record).  The way from there
    to the next record runs only Gum's code and, through the fork stub, the agent's, which
-   gives the signal back at once (settle_held_signal); so does the end of the recording. */
+   gives the signal back at once (settle_held_signal); so does the end of the recording.
+   Not in a thread leaving Stalker, forking, or in a handler run natively, and never twice
+   at the place that let the signal go (let_go_pc: that would fault and hold it for good). */
 static int in_branch_code(const BtCopy *found, uint64_t pc) {
   if (found == NULL || !found->whole || found->branch_end == 0)
     return 0;
   uint64_t at = pc - found->copy;
-  return at > found->offsets[found->n - 1] && at < found->branch_end;
+  return at > found->offsets[found->n - 1] && at < found->branch_end &&
+         !is_syscall_at(found->start + found->offsets[2 * found->n - 1]);
+}
+
+/* So can one that comes inside the copy of one of the block's other instructions (one Gum
+   relocated into several; the agent's checks and callouts): the block runs on to its end
+   and the next record lets it go, or the check before a system call, which reads the
+   header page first (put_syscall_checks).  Not inside a system call's own copy, past that
+   read (the call would go in with the signal held: a pause() would wait for good), nor in
+   the record's code, nor past the instructions mapped. */
+static int in_instruction_copy(const BtCopy *found, uint64_t pc) {
+  if (found == NULL)
+    return 0;
+  uint64_t at = pc - found->copy;
+  if (at < found->first_at)
+    return 0;
+  unsigned k = 0;
+  while (k + 1 < found->n && found->offsets[k + 1] <= at)
+    k++;
+  if (k + 1 == found->n) /* the last one's branch: in_branch_code */
+    return 0;
+  return !is_syscall_at(found->start + found->offsets[found->n + k]);
 }
 
 static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc,
@@ -2710,9 +2735,21 @@ static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t 
       t->wpp != (uint64_t *)(t->header32 + BT_OFF_INLINE_PTR) || t->next_id >= t->table_cap ||
       segv < 0 || !(STATE->faults_taken >> segv & 1) || (mask >> 10 & 1) /* SIGSEGV */ ||
       (uint64_t)STATE->chained[segv].restorer != bt_fault_restorer() /* hooked: trap_uc */ ||
-      !in_branch_code(found, *(const uint64_t *)(uc + UC_RIP)) ||
+      t->leaving || t->fork_kept || t->fork_native ||
+      (t->handlers_running > 0 && t->handler_copy[t->handlers_running - 1] == 0) /* native */ ||
       syscall(13 /* rt_sigaction */, sig, NULL, &now, 8) != 0 || now.handler != (void *)bt_sigstub)
     return 0;
+  uint64_t pc = *(const uint64_t *)(uc + UC_RIP);
+  if (pc == t->let_go_pc) { /* the record or check that let it go: natively (a GAP) */
+    t->let_go_pc = 0;
+    return 0;
+  }
+  if (!in_branch_code(found, pc) && !in_instruction_copy(found, pc))
+    return 0;
+  /* without SA_SIGINFO the kernel leaves the frame's siginfo unwritten: what is there is
+     stale (queueing it again failed, and the signal was lost: a program that waited for
+     its handler hung) */
+  t->held_with_info = (now.flags & 4 /* SA_SIGINFO */) != 0;
   for (int i = 0; i < 128; i++)
     t->held_info[i] = info[i];
   t->held_sig = sig;
@@ -2730,7 +2767,11 @@ static int queue_held(BtThread *t) {
   if (held == 0 || swap_int((int *)&t->held_sig, held, 0) != held)
     return 0;
   syscall(10 /* mprotect */, t->header32, 4096, 3 /* PROT_READ|WRITE */);
-  syscall(297 /* rt_tgsigqueueinfo */, getpid(), t->tid, held, t->held_info);
+  /* with its siginfo; else, or when the kernel refuses that (from another thread, for a
+     siginfo of kill(), tgkill() or the kernel's own), as tgkill() would send it */
+  if (!t->held_with_info ||
+      syscall(297 /* rt_tgsigqueueinfo */, getpid(), t->tid, held, t->held_info) != 0)
+    syscall(234 /* tgkill */, getpid(), t->tid, held);
   return held;
 }
 
@@ -2758,6 +2799,7 @@ static int let_go_held(const uint8_t *info, uint8_t *uc) {
     if (queue_held(t) == held && held != 0) {
       *(uint64_t *)(uc + UC_SIGMASK) &= ~bit;
       t->trap_uc = (uint64_t)uc;
+      t->let_go_pc = *(const uint64_t *)(uc + UC_RIP);
     } else { /* given back meanwhile (settle_held_signal) */
       syscall(10 /* mprotect */, t->header32, 4096, 3 /* PROT_READ|WRITE */);
     }
@@ -4223,6 +4265,11 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
                                uint64_t address) {
   /* labels of this syscall instruction's own: its address with high bits set */
   gconstpointer go = (gconstpointer)(address | (1ULL << 63));
+  /* first a read of the header page: a signal held there (hold_signal) goes in before the
+     call, at its instruction (mov rcx, [wp]) */
+  if (t->header32 != NULL && t->wpp == (uint64_t *)(t->header32 + BT_OFF_INLINE_PTR) &&
+      (uint64_t)t->wpp < 0x80000000u)
+    put_mov_reg_abs(cw, 0x8b, 1 /* rcx */, (uint32_t)(uint64_t)t->wpp);
   /* t->syscall_at = address (bt_thread_asleep_at), in rcx, which the instruction overwrites;
      the flags stay.  movabs rcx, &t->syscall_at; mov dword [rcx], low; mov dword [rcx+4], high */
   uint8_t note_address[23] = {0x48, 0xb9, [10] = 0xc7, 0x01, [16] = 0xc7, 0x41, 0x04};
