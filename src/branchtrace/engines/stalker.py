@@ -1654,7 +1654,7 @@ class _Recording:
             records, gaps = _agent_counts(ring)
         else:  # the thread died with its ring open: count what was drained
             try:
-                records, gaps = count_records(self.tracedir.words(tid)[0])
+                records, gaps = self.tracedir.record_counts(tid)
             except StoreError as e:
                 records, gaps = _agent_counts(ring)
                 self._error(f"thread {thread_label(tid)}: records not counted exactly: {e}")

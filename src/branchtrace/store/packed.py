@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import lz4.block
@@ -79,6 +79,32 @@ def read_packed(path: Path) -> np.ndarray:
     blob = memoryview(path.read_bytes())  # slices of it are views, not copies
     pieces = _pieces(path, lambda off: blob[off : off + PIECE.size], len(blob))
     return _unpack(path, blob, pieces)
+
+
+def packed_pieces(path: Path) -> Iterator[np.ndarray]:
+    """The words of a packed stream file a piece at a time (each whole records), oldest
+    first: memory for one piece, not the stream."""
+    with path.open("rb") as f:
+
+        def header_at(off: int) -> bytes:
+            f.seek(off)
+            return f.read(PIECE.size)
+
+        for start, raw, packed in _pieces(path, header_at, os.fstat(f.fileno()).st_size):
+            f.seek(start)
+            yield _unpack(path, memoryview(f.read(packed)), [(0, raw, packed)], start)
+
+
+def packed_size(path: Path) -> int:
+    """How many words the packed stream file holds, from its pieces' headers."""
+    with path.open("rb") as f:
+
+        def header_at(off: int) -> bytes:
+            f.seek(off)
+            return f.read(PIECE.size)
+
+        pieces = _pieces(path, header_at, os.fstat(f.fileno()).st_size)
+    return sum(raw & ~DICTIONARY_PIECE for _, raw, _ in pieces) // 8
 
 
 def packed_tail(path: Path, words: int) -> tuple[np.ndarray, int]:
@@ -139,4 +165,4 @@ def _read_dictionary_piece(packed: memoryview, n: int) -> np.ndarray:
     return dictionary[np.frombuffer(ids, dtype="<u1" if width == 1 else "<u2")]
 
 
-__all__ = ["SUFFIX", "append_packed", "read_packed", "write_all"]
+__all__ = ["SUFFIX", "append_packed", "packed_pieces", "packed_size", "read_packed", "write_all"]
