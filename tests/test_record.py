@@ -3082,9 +3082,11 @@ def test_the_tool_killed_while_attached_with_follow_fork_leaves_the_program_fork
     missing = record(tmp_path / "none", "--follow-fork", "-p", "999999999")
     assert missing.returncode == 11 and len(missing.stderr.strip().splitlines()) == 1
     rounds, forkloop = 300, programs["forkloop"]
-    # once more if the tool names a fault inside Frida's recovery from a fork() (a Frida bug
-    # that stops the program for good; seen here in CI after 6 forks, session 49)
-    for attempt in range(2):
+    # again if the tool names a fault inside Frida's recovery from a fork() (a Frida bug that
+    # stops the program for good; seen here in CI after 6 forks, session 49; in session 62
+    # in both of two attempts, and by hand in 1 and 4 of 15 runs of this, at the code before
+    # and after that session's changes)
+    for attempt in range(3):
         out = tmp_path / f"d{attempt}"
         with attach_target(forkloop, rounds, 5000, -1, stdin=subprocess.PIPE) as target:
             options = ["--mode", "wrap", "--buffer-size", "512K", "--follow-fork"]
