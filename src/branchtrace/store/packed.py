@@ -26,6 +26,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import lz4.block
 import numpy as np
@@ -81,16 +82,21 @@ def read_packed(path: Path) -> np.ndarray:
     return _unpack(path, blob, pieces)
 
 
+def _file_pieces(path: Path, f: BinaryIO) -> list[tuple[int, int, int]]:
+    """_pieces() of the packed stream file open as `f`, its headers read where they are."""
+
+    def header_at(off: int) -> bytes:
+        f.seek(off)
+        return f.read(PIECE.size)
+
+    return _pieces(path, header_at, os.fstat(f.fileno()).st_size)
+
+
 def packed_pieces(path: Path) -> Iterator[np.ndarray]:
     """The words of a packed stream file a piece at a time (each whole records), oldest
     first: memory for one piece, not the stream."""
     with path.open("rb") as f:
-
-        def header_at(off: int) -> bytes:
-            f.seek(off)
-            return f.read(PIECE.size)
-
-        for start, raw, packed in _pieces(path, header_at, os.fstat(f.fileno()).st_size):
+        for start, raw, packed in _file_pieces(path, f):
             f.seek(start)
             yield _unpack(path, memoryview(f.read(packed)), [(0, raw, packed)], start)
 
@@ -98,12 +104,7 @@ def packed_pieces(path: Path) -> Iterator[np.ndarray]:
 def packed_size(path: Path) -> int:
     """How many words the packed stream file holds, from its pieces' headers."""
     with path.open("rb") as f:
-
-        def header_at(off: int) -> bytes:
-            f.seek(off)
-            return f.read(PIECE.size)
-
-        pieces = _pieces(path, header_at, os.fstat(f.fileno()).st_size)
+        pieces = _file_pieces(path, f)
     return sum(raw & ~DICTIONARY_PIECE for _, raw, _ in pieces) // 8
 
 
@@ -111,12 +112,7 @@ def packed_tail(path: Path, words: int) -> tuple[np.ndarray, int]:
     """At least the last `words` words of a packed stream file (all, if it has fewer),
     decompressing only the pieces they are in; and how many words the file holds."""
     with path.open("rb") as f:
-
-        def header_at(off: int) -> bytes:
-            f.seek(off)
-            return f.read(PIECE.size)
-
-        pieces = _pieces(path, header_at, os.fstat(f.fileno()).st_size)
+        pieces = _file_pieces(path, f)
         total = sum(raw & ~DICTIONARY_PIECE for _, raw, _ in pieces) // 8
         first = len(pieces)
         have = 0

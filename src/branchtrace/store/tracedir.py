@@ -336,8 +336,8 @@ class TraceDir:
         """How many records (PAD excluded) `words(tid)` holds, and its GAP records by
         reason, counted in the block slots as they are (expanding them loads numba's
         kernels, a second of `info`'s start-up) and a piece of the stream file at a time:
-        the whole stream of a recording stopped with Ctrl-C, expanded in memory, took 6 GB
-        and more for 7 GB of file."""
+        expanded whole, the stream of a call loop recorded for 8 s (3.3 billion records,
+        55 MB of LZ4) took 13.3 GB of memory as the recording stopped at Ctrl-C."""
         records, gaps = 0, dict[int, int]()
         for part, slots in self._counted_parts(tid):
             n, g = count_records(part, slots=slots)
