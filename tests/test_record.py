@@ -2628,6 +2628,24 @@ def test_records_counted_in_their_block_slots_are_the_records_read(tmp_path, pro
         assert trace.record_count(tid) == trace.meta()["threads"][str(tid)]["records"]
 
 
+def test_an_attached_thread_that_ran_but_recorded_nothing_is_named():
+    # user CPU time while recorded, and no records but its handlers' GAPs: never taken over
+    from branchtrace.engines.base import ThreadStats
+
+    def stats(records: int, gaps: int = 0) -> ThreadStats:
+        return ThreadStats(pid=10, records=records, gaps={"signal": gaps} if gaps else {})
+
+    threads = {
+        10: stats(25_352, gaps=25_351),  # ran 200 ms natively, its handlers marked
+        11: stats(4_180_000),  # busy and traced
+        12: stats(1),  # asleep in a system call throughout
+        13: stats(3),  # ran, but named untraced already (inside fork())
+    }
+    used = {10: 20, 11: 100, 12: 0, 13: 50}
+    assert stalker._ran_untraced(used, threads, named={13}) == [10]
+    assert stalker._ran_untraced({10: 2}, threads, named=set()) == []  # 20 ms: noise
+
+
 def test_frida_losing_the_process_as_its_agent_loads_says_to_try_again():
     error = stalker._frida_error(frida.TransportError("the connection is closed"), "pid 7")
     assert error.exit_code == 13 and str(error) == "pid 7: Frida failed: the connection is closed"
@@ -3364,7 +3382,7 @@ def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, 
     held = trace.meta()["threads"][str(tid)]["signals"].get("held", 0)
     assert 0 < held <= int(signal_deliveries(recs).sum())
     shown = subprocess.run([*BT, "info", str(tmp_path / "d")], capture_output=True, text=True)
-    assert f"signals delivered at the next block's start: {held:,} " in shown.stdout
+    assert f"signals held to the next block's start or system call: {held:,} " in shown.stdout
     # and each sits where its handler run interrupted the loop: after the blocks of the
     # calls of f that had begun (`at` of them, or one fewer), not a chunk later; a block
     # right after a handler's way back (rt_sigreturn) is the rest of the interrupted one

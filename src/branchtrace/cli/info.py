@@ -254,8 +254,9 @@ def info(path: Path, as_json: bool) -> None:
         if signals.get("held"):
             merged = signals.get("merged", 0)
             out.print(
-                f"signals delivered at the next block's start: {signals['held']:,} (they came "
-                "in Stalker's code, where no instruction of the program was under way)"
+                f"signals held to the next block's start or system call: {signals['held']:,} "
+                "(they came in Stalker's code for a branch, or inside its copy of an "
+                "instruction, where a handler cannot be entered)"
                 + (
                     f"; {merged:,} more of the same came meanwhile, delivered with them once, "
                     "as the kernel does a standard signal already pending"

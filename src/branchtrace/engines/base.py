@@ -66,9 +66,10 @@ class ThreadStats:
     lost: int = 0
     switches: int = 0  #: context switches recorded (with --sched)
     gaps: dict[str, int] = field(default_factory=dict)  #: untraced stretches, by reason
-    #: signals that came in Stalker's code at a block's end, "held" to the next block's start
-    #: (their handlers traced from there), and "merged": more of the same meanwhile, delivered
-    #: once with it as the kernel does a pending standard signal (only those not 0)
+    #: signals that came in Stalker's code at a block's end or inside its copy of an
+    #: instruction, "held" to the next block's start or system call (their handlers traced
+    #: from there), and "merged": more of the same meanwhile, delivered once with it as the
+    #: kernel does a pending standard signal (only those not 0)
     signals: dict[str, int] = field(default_factory=dict)
 
 

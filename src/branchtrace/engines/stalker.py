@@ -2714,6 +2714,7 @@ class StalkerEngine:
         # Frida's injector forks helpers off the program as it attaches and detaches: only
         # the program's own children, forked in between, are named untraced
         traced_since = time.monotonic_ns()
+        cpu_since = {tid: _user_ticks(pid, tid) for tid in tids}
         if not gone.is_set():
             # once the threads are followed: from this line on, what the program does is traced
             threads = f"{len(tids)} thread{'s' if len(tids) != 1 else ''}"
@@ -2735,6 +2736,7 @@ class StalkerEngine:
                 next_check = now + FORK_CHECK_INTERVAL
             stop.wait(0.01)
         traced_until = time.monotonic_ns()
+        cpu_used = {tid: _user_ticks(pid, tid) - cpu_since[tid] for tid in tids}
         result = RecordResult(options.output, pid)
         if forks is not None:
             result.processes = forks.close()
@@ -2762,6 +2764,17 @@ class StalkerEngine:
             children = watcher.children(pid, traced_since, traced_until)
             result.warnings += _untraced_children(f"pid {pid}", children, watcher.names)
         result.threads = rec.finish()
+        named = {entry["tid"] for entry in rec.untraced_threads if entry["pid"] == pid}
+        for tid in _ran_untraced(cpu_used, result.threads, named):
+            stats = result.threads[tid]
+            rec._error(
+                f"thread {tid} of pid {pid} used {cpu_used[tid] * 10} ms of CPU in its own "
+                f"code while recorded, but its trace holds "
+                f"{stats.records - sum(stats.gaps.values())} records besides its signal "
+                "handlers' GAPs: Stalker did not take it over, or lost it at once (Frida's "
+                "reach into a thread can lose to a signal of the program's, which the "
+                "recorder warns of when it sees the process stopped); that code ran untraced"
+            )
         return result
 
     @staticmethod
@@ -2879,6 +2892,42 @@ def _deaths_in_fridas_code(result: RecordResult, faults: list[dict[str, Any]]) -
             "hooks a bad pointer"
         )
     return warnings
+
+
+def _user_ticks(pid: int, tid: int) -> int:
+    """The user-mode CPU time thread `tid` of `pid` has used, in clock ticks (0: gone)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(text[text.rindex(")") + 2 :].split()[11])  # utime, field 14
+
+
+#: user CPU time (clock ticks, 10 ms) that a thread which recorded no block must have used
+#: meanwhile to be named untraced: it ran code of its own, which a followed thread records
+_UNTRACED_TICKS = 3
+
+
+def _ran_untraced(
+    cpu_used: dict[int, int], threads: dict[int, ThreadStats], named: set[int]
+) -> list[int]:
+    """The threads attached to that used user CPU time while recorded (`cpu_used`, in
+    ticks) but recorded hardly anything besides GAP records, other than those already
+    `named` untraced: Stalker never took them over, or lost them at once.  In user mode a
+    thread runs code, which it records once followed (a millisecond of it thousands of
+    blocks); a thread asleep in a system call throughout records nothing and uses none.
+    The GAP records are its signal handlers' runs, which their entry hooks mark (25,351 in
+    one second of `handshake`, whose main thread had compiled 2 blocks and then ran on
+    natively after Frida's reach into it met a signal of the program's).  Not with
+    `--follow-fork`'s children, which are not attached to."""
+    return [
+        tid
+        for tid, used in sorted(cpu_used.items())
+        if used >= _UNTRACED_TICKS
+        and tid not in named
+        and (stats := threads.get(tid)) is not None
+        and stats.records - sum(stats.gaps.values()) <= _FEW_RECORDS
+    ]
 
 
 def _ran_blocks(tracedir: TraceDir, tid: int) -> bool:
