@@ -2768,8 +2768,8 @@ class StalkerEngine:
         for tid in _ran_untraced(cpu_used, result.threads, named):
             stats = result.threads[tid]
             rec._error(
-                f"thread {tid} of pid {pid} used {cpu_used[tid] * 10} ms of CPU in its own "
-                f"code while recorded, but its trace holds "
+                f"thread {tid} of pid {pid} used {cpu_used[tid] * 1000 // _TICKS_PER_S} ms of "
+                "CPU in its own code while recorded, but its trace holds "
                 f"{stats.records - sum(stats.gaps.values())} records besides its signal "
                 "handlers' GAPs: Stalker did not take it over, or lost it at once (Frida's "
                 "reach into a thread can lose to a signal of the program's, which the "
@@ -2903,9 +2903,11 @@ def _user_ticks(pid: int, tid: int) -> int:
     return int(text[text.rindex(")") + 2 :].split()[11])  # utime, field 14
 
 
-#: user CPU time (clock ticks, 10 ms) that a thread which recorded no block must have used
-#: meanwhile to be named untraced: it ran code of its own, which a followed thread records
+#: user CPU time (clock ticks: 10 ms on Linux) that a thread which recorded next to nothing
+#: must have used meanwhile to be named: it ran code of its own, which a followed thread
+#: records
 _UNTRACED_TICKS = 3
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def _ran_untraced(
