@@ -2712,15 +2712,15 @@ static int in_branch_code(const BtCopy *found, uint64_t pc) {
    header page first (put_syscall_checks).  Not inside a system call's own copy, past that
    read (the call would go in with the signal held: a pause() would wait for good), nor in
    the record's code, nor past the instructions mapped. */
+static unsigned instruction_holding(const BtCopy *found, uint64_t at);
+
 static int in_instruction_copy(const BtCopy *found, uint64_t pc) {
   if (found == NULL)
     return 0;
   uint64_t at = pc - found->copy;
   if (at < found->first_at)
     return 0;
-  unsigned k = 0;
-  while (k + 1 < found->n && found->offsets[k + 1] <= at)
-    k++;
+  unsigned k = instruction_holding(found, at);
   if (k + 1 == found->n) /* the last one's branch: in_branch_code */
     return 0;
   return !is_syscall_at(found->start + found->offsets[found->n + k]);
@@ -3036,15 +3036,21 @@ static const BtCopy *copy_holding(BtThread *t, uint64_t pc) {
   return NULL;
 }
 
+/* Which of the instructions mapped in `found` the copy's byte at offset `at` belongs to
+   (the last one's copy runs on to the block's end). */
+static unsigned instruction_holding(const BtCopy *found, uint64_t at) {
+  unsigned k = 0;
+  while (k + 1 < found->n && found->offsets[k + 1] <= at)
+    k++;
+  return k;
+}
+
 /* The program's instruction that Stalker's copy holds at `pc`, or 0. */
 static uint64_t program_address(BtThread *t, uint64_t pc) {
   const BtCopy *found = copy_holding(t, pc);
   if (found == NULL)
     return 0;
-  uint64_t offset = pc - found->copy;
-  unsigned k = 0;
-  while (k + 1 < found->n && found->offsets[k + 1] <= offset)
-    k++;
+  unsigned k = instruction_holding(found, pc - found->copy);
   if (k + 1 == found->n && !found->whole)
     return 0; /* in the last instruction mapped, or in one after it */
   return found->start + found->offsets[found->n + k];
@@ -3074,9 +3080,7 @@ static uint64_t copied_instruction_at(const BtCopy *found, uint64_t pc, uint64_t
      read()) comes with the pc set back to the `syscall` instruction itself, the program's
      registers as they were for it (a thread in pthread_join() took its timer signals so,
      all natively, before). */
-  unsigned k = 0;
-  while (k + 1 < found->n && found->offsets[k + 1] <= at)
-    k++;
+  unsigned k = instruction_holding(found, at);
   uint64_t address = found->start + found->offsets[found->n + k];
   if (found->offsets[k] < at && (k + 1 < found->n || found->whole) && is_syscall_at(pc) &&
       is_syscall_at(address))
