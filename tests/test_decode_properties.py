@@ -3,6 +3,8 @@ generated record streams (hypothesis)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,15 +65,18 @@ def dense_breaks(n: int, at: np.ndarray, kind: np.ndarray, lo: int = 0) -> np.nd
     return out
 
 
-def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int]]:
+def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int], Counter]:
     """Block words, the break before each, and its detail (INTERRUPT: the resume address,
     GAP: the reason, LOST: the records lost since the last block), the slow way; one more
-    break and detail than blocks: after the last block."""
+    break and detail than blocks: after the last block.  And the untraced signal handler
+    runs, by the number of blocks before them."""
     words, breaks, details = [], [], []
+    handlers: Counter = Counter()
     pending, detail = BREAK_NONE, 0
     for rtype, arg, *payload in recs:
         if rtype == RecordType.GAP and arg == GapReason.SIGNAL:
-            continue  # inside a block: the thread resumes where it was
+            handlers[len(words)] += 1  # inside a block: the thread resumes where it was
+            continue
         if rtype == RecordType.BLOCK:
             words.append(payload[0] | (arg << 47))
             breaks.append(pending)
@@ -96,26 +101,41 @@ def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int]]:
             detail = payload[0]
     breaks.append(pending)  # after the last block
     details.append(detail if pending != BREAK_NONE else 0)
-    return words, breaks, details
+    return words, breaks, details, handlers
 
 
 @settings(max_examples=300, deadline=None)
 @given(streams)
 def test_scan_blocks_agrees_with_the_reference_parser(recs):
     words = np.array([w for r in recs for w in record_words(*r)], dtype=np.uint64)
-    ids, at, why, detail, unique = scan_blocks(words)
-    want_words, want_breaks, want_details = reference(recs)
+    ids, at, why, detail, unique, handler_at, handler_times = scan_blocks(words)
+    want_words, want_breaks, want_details, want_handlers = reference(recs)
     assert unique[ids].tolist() == want_words
     breaks = dense_breaks(ids.size + 1, at, why)
     assert breaks.tolist() == want_breaks
     assert at.tolist() == np.flatnonzero(breaks).tolist()  # sparse: only real breaks
     assert detail.tolist() == np.array(want_details, np.uint64)[at].tolist()
     assert len(set(unique.tolist())) == unique.size  # each distinct block interned once
+    assert dict(zip(handler_at.tolist(), handler_times.tolist(), strict=True)) == want_handlers
+    assert handler_at.tolist() == sorted(want_handlers)  # once per place, oldest first
     if words.size:
         parsed = parse_words(words)
         start, last = block_bounds(unique[ids])
         assert start.tolist() == parsed["a"][parsed["type"] == RecordType.BLOCK].tolist()
         assert last.tolist() == parsed["b"][parsed["type"] == RecordType.BLOCK].tolist()
+
+
+def test_untraced_handler_runs_are_counted_by_place_however_many_places():
+    # more places than the scanner's first arrays hold (16): they grow
+    recs = []
+    for i in range(40):
+        recs.append((RecordType.BLOCK, 3, 0x1000 + 16 * i))
+        recs += [(RecordType.GAP, int(GapReason.SIGNAL))] * (2 if i == 5 else 1)
+    words = np.array([w for r in recs for w in record_words(*r)], dtype=np.uint64)
+    found = scan_blocks(words)
+    assert found.ids.size == 40 and found.break_at.size == 0  # the chain holds
+    assert found.handler_at.tolist() == list(range(1, 41))
+    assert found.handler_times.tolist() == [1] * 5 + [2] + [1] * 34
 
 
 def reference_branches(b: Blocks) -> list[tuple[int, int, int, int]]:

@@ -9,7 +9,7 @@ runs millions of blocks but has only thousands of distinct ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -63,6 +63,10 @@ class Blocks:
     last: np.ndarray  #: uint64 per distinct block: address of its last instruction
     kind: np.ndarray  #: uint8 per distinct block: BranchKind of its last instruction, or 0
     size: np.ndarray  #: uint64 per distinct block: length of its last instruction
+    #: int64: signal handlers ran untraced inside the block before these ...
+    handler_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: uint32: ... this many times (kernels.Scan)
+    handler_times: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
 
     def kernel_args(
         self,
@@ -90,10 +94,21 @@ class Blocks:
 
 
 def scan(words: np.ndarray, modules: ModuleMap) -> Blocks:
-    ids, at, why, resume, unique = scan_blocks(np.ascontiguousarray(words, np.uint64))
-    start, last = block_bounds(unique)
+    found = scan_blocks(np.ascontiguousarray(words, np.uint64))
+    start, last = block_bounds(found.unique)
     kind, size = classify_addresses(last, modules)
-    return Blocks(ids, at, why, resume, start, last, kind, size)
+    return Blocks(
+        found.ids,
+        found.break_at,
+        found.break_kind,
+        found.break_detail,
+        start,
+        last,
+        kind,
+        size,
+        found.handler_at,
+        found.handler_times,
+    )
 
 
 _CHUNK = 1 << 23  #: blocks decoded at a time, to bound the temporaries

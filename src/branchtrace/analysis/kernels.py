@@ -2,12 +2,15 @@
 
 `scan_blocks` turns raw ring words into a sequence of block ids (a hash table interns the
 distinct BLOCK words, of which a program has thousands, not millions), noting where the
-chain of blocks is broken (LOST, GAP) or interrupted (an explicit INTERRUPT branch record,
-written by the step engine at signal delivery).  `call_segments` walks the block sequence
-with a shadow stack of return addresses and produces the function-call history.
+chain of blocks is broken (LOST, GAP) or interrupted (an INTERRUPT branch record, written
+at a signal's delivery), and where signal handlers ran untraced.  `call_segments` walks
+the block sequence with a shadow stack of return addresses and produces the function-call
+history.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba as nb
 import numpy as np
@@ -63,7 +66,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 # Numba keeps loops fast only while the arrays they touch stay the same objects, so the
 # loops below never grow an array themselves: they stop and say which one is full, the
 # caller grows it (O(log n) times) and they resume where they stopped.
-_FULL_TABLE, _FULL_UNIQUE, _FULL_BREAKS, _FULL_OUTPUT, _FULL_STACK, _DONE = range(6)
+_FULL_TABLE, _FULL_UNIQUE, _FULL_BREAKS, _FULL_OUTPUT, _FULL_STACK, _FULL_HANDLERS, _DONE = range(7)
 
 
 def _doubled(a: np.ndarray) -> np.ndarray:
@@ -88,12 +91,26 @@ def _table(unique, k, bits):  # type: ignore[no-untyped-def]
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind, break_detail):  # type: ignore[no-untyped-def]
+def _scan_part(
+    words,
+    state,
+    ids,
+    keys,
+    vals,
+    bits,
+    unique,
+    break_at,
+    break_kind,
+    break_detail,
+    handler_at,
+    handler_times,
+):  # type: ignore[no-untyped-def]
     """Scan from state[0] until done or an array is full; state = [i, m, k, nbreaks,
-    pending, pending_detail]."""
+    pending, pending_detail, nhandlers]."""
     n = words.size
     i, m, k, nbreaks, pending = state[0], state[1], state[2], state[3], state[4]
     pending_detail = np.uint64(state[5])
+    nhandlers = state[6]
     mask = (1 << bits) - 1
     shift = np.uint64(64 - bits)
     why = _DONE
@@ -110,10 +127,20 @@ def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind
                     pending_detail += np.uint64(1)
                 elif length >= 1 and i + 1 < n:
                     pending_detail += words[i + 1]
-            elif t == _GAP:
+            elif t == _GAP and (w & np.uint64(0xFF)) == _GAP_SIGNAL:
                 # a signal handler's gap is inside a block: the thread resumes where it
-                # was, so the chain holds; any other gap breaks it
-                if (w & np.uint64(0xFF)) != _GAP_SIGNAL and pending != BREAK_LOST:
+                # was, so the chain holds; counted by the block it ran in (the one before m)
+                if nhandlers > 0 and handler_at[nhandlers - 1] == m:
+                    handler_times[nhandlers - 1] += 1
+                elif nhandlers == handler_at.size:
+                    why = _FULL_HANDLERS
+                    break
+                else:
+                    handler_at[nhandlers] = m
+                    handler_times[nhandlers] = 1
+                    nhandlers += 1
+            elif t == _GAP:  # any other gap breaks the chain
+                if pending != BREAK_LOST:
                     pending = BREAK_GAP
                     pending_detail = w & np.uint64(0xFF)
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _INTERRUPT and i + 1 < n:
@@ -167,29 +194,42 @@ def _scan_part(words, state, ids, keys, vals, bits, unique, break_at, break_kind
         i += 1
     state[0], state[1], state[2], state[3], state[4] = i, m, k, nbreaks, pending
     state[5] = np.int64(pending_detail)
+    state[6] = nhandlers
     return why
 
 
-def scan_blocks(
-    words: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(ids int32, break_at int64, break_kind uint8, break_detail uint64, unique uint64).
+class Scan(NamedTuple):
+    """What scan_blocks finds in a thread's words.
 
     ids[i] names the i-th executed block: unique[ids[i]] is its BLOCK word (4 bytes per
     executed block: traces of 100M+ blocks must fit in memory).  Breaks are rare, so they
     are sparse: the chain is broken right before block break_at[j] (len(ids): after the
     last block), for the reason break_kind[j]; break_detail[j] is, for an INTERRUPT, where
     the interrupted code would have continued, for a GAP its GapReason, and for LOST how
-    many records were lost."""
+    many records were lost.  A signal handler that ran untraced (a GAP of reason signal)
+    breaks nothing: it ran inside block handler_at[j] - 1, handler_times[j] times."""
+
+    ids: np.ndarray  #: int32
+    break_at: np.ndarray  #: int64
+    break_kind: np.ndarray  #: uint8
+    break_detail: np.ndarray  #: uint64
+    unique: np.ndarray  #: uint64
+    handler_at: np.ndarray  #: int64, ascending
+    handler_times: np.ndarray  #: uint32
+
+
+def scan_blocks(words: np.ndarray) -> Scan:
+    """The executed blocks, the chain's breaks and the untraced handler runs in `words`."""
     words = np.ascontiguousarray(words, np.uint64)
     ids = np.empty(words.size, np.int32)
     bits = 4
     unique = np.empty(1 << (bits - 1), np.uint64)
     keys, vals = _table(unique, 0, bits)
     breaks = (np.empty(16, np.int64), np.empty(16, np.uint8), np.empty(16, np.uint64))
-    state = np.zeros(6, np.int64)
+    handlers = (np.empty(16, np.int64), np.empty(16, np.uint32))
+    state = np.zeros(7, np.int64)
     while True:
-        why = _scan_part(words, state, ids, keys, vals, bits, unique, *breaks)
+        why = _scan_part(words, state, ids, keys, vals, bits, unique, *breaks, *handlers)
         if why == _DONE:
             break
         if why == _FULL_TABLE:
@@ -197,15 +237,19 @@ def scan_blocks(
             keys, vals = _table(unique, int(state[2]), bits)
         elif why == _FULL_UNIQUE:
             unique = _doubled(unique)
+        elif why == _FULL_HANDLERS:
+            handlers = (_doubled(handlers[0]), _doubled(handlers[1]))
         else:
             breaks = (_doubled(breaks[0]), _doubled(breaks[1]), _doubled(breaks[2]))
-    m, k, nbreaks = int(state[1]), int(state[2]), int(state[3])
+    m, k, nbreaks, nhandlers = int(state[1]), int(state[2]), int(state[3]), int(state[6])
     at, why, detail = breaks[0][:nbreaks], breaks[1][:nbreaks], breaks[2][:nbreaks]
     if state[4] != BREAK_NONE:  # records lost, or code untraced, after the last block
         at = np.append(at, np.int64(m))
         why = np.append(why, np.uint8(state[4]))
         detail = np.append(detail, state[5:6].view(np.uint64))
-    return ids[:m], at, why, detail, unique[:k]
+    return Scan(
+        ids[:m], at, why, detail, unique[:k], handlers[0][:nhandlers], handlers[1][:nhandlers]
+    )
 
 
 def block_bounds(unique: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

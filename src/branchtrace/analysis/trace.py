@@ -61,13 +61,22 @@ BREAK_DTYPE = np.dtype(
         ("block", "<i8"),  #: the chain breaks right before this block (index, as CALL_DTYPE's)
         ("lost", "<u8"),  #: records lost there (LOST records); 0 for untraced code
         ("untraced", "u1"),  #: GapReason of the untraced code that ran there; 0 for a loss
+        ("times", "<u4"),  #: how many times it ran there (signal handlers); 0 for a loss
     ],
     align=True,
 )
 
 
 def describe_break(row: np.void) -> str:
-    """One line for a break of the chain (a BREAK_DTYPE row), as the views print it."""
+    """One line for a break of the chain or an untraced handler run (a BREAK_DTYPE row of
+    Trace.marks), as the views print it."""
+    if int(row["untraced"]) == GapReason.SIGNAL:
+        times = int(row["times"])
+        return (
+            "a signal handler ran here, untraced"
+            + (f" ({times:,} times)" if times > 1 else "")
+            + ", and the thread went on where it was"
+        )
     if int(row["untraced"]) == GapReason.FORK:
         return "fork() ran here, untraced"
     if int(row["untraced"]) == GapReason.LEFT_HANDLER:
@@ -333,7 +342,26 @@ class Trace:
         kind, detail = blocks.break_kind[keep], blocks.break_detail[keep]
         out["lost"] = np.where(kind == BREAK_LOST, detail, 0)
         out["untraced"] = np.where(kind == BREAK_GAP, detail, 0)
+        out["times"] = kind == BREAK_GAP
         return out
+
+    def marks(self, tid: int) -> np.ndarray:
+        """What the views mark between branches, oldest first (BREAK_DTYPE): the breaks,
+        and the signal handlers that ran untraced (GAP records of reason signal; untraced
+        GapReason.SIGNAL, `block` the block after the one they ran in), which break
+        nothing.  A handler that left elsewhere is said by its break (LEFT_HANDLER) only."""
+        blocks = self.blocks(tid)
+        breaks = self.breaks(tid)
+        handlers = np.zeros(blocks.handler_at.size, BREAK_DTYPE)
+        handlers["block"] = blocks.handler_at
+        handlers["untraced"] = GapReason.SIGNAL
+        handlers["times"] = blocks.handler_times
+        left = breaks["block"][breaks["untraced"] == GapReason.LEFT_HANDLER]
+        handlers["times"] -= np.isin(handlers["block"], left)
+        handlers = handlers[handlers["times"] > 0]
+        both = np.concatenate([handlers, breaks])
+        # a handler ran inside the block before its place, so before a break there
+        return both[np.argsort(both["block"], kind="stable")]
 
     def _check_tid(self, tid: int) -> None:
         if tid not in self.threads:

@@ -161,24 +161,42 @@ def _heading(trace: Trace, tid: int, what: str) -> None:
 
 
 def _breaks_among(breaks: np.ndarray, row_blocks: np.ndarray, oldest: int) -> dict[int, list]:
-    """The breaks of the chain (Trace.breaks rows) that fall among rows ordered by block
-    index, by the row each comes right before (len(rows): after the last).  Breaks before
-    block `oldest` are left out: they are older than what the rows show."""
+    """The breaks of the chain and untraced handler runs (Trace.marks rows) that fall among
+    rows ordered by block index, by the row each comes right before (len(rows): after the
+    last).  Those before block `oldest` are left out: older than what the rows show."""
     kept = breaks[breaks["block"] >= oldest]
     slots: dict[int, list] = {}
     where = np.searchsorted(row_blocks, kept["block"], side="left").tolist()
     for k, row in zip(where, kept, strict=True):
-        slots.setdefault(k, []).append(row)
+        slot = slots.setdefault(k, [])
+        if slot and _ran_untraced(slot[-1]) and _ran_untraced(row):
+            slot[-1] = slot[-1].copy()  # handlers in blocks no row lies between: one line
+            slot[-1]["times"] += row["times"]
+        else:
+            slot.append(row)
     return slots
 
 
+def _ran_untraced(mark: np.void) -> bool:
+    return int(mark["untraced"]) == GapReason.SIGNAL
+
+
 def _break_json(t: int, row: np.void) -> str:
+    thread = {"tid": thread_id(t), "thread": thread_label(t)}
+    if _ran_untraced(row):  # the chain holds: not a break
+        return json.dumps(
+            {
+                **thread,
+                "untraced": "signal",
+                "times": int(row["times"]),
+                "text": describe_break(row),
+            }
+        )
     untraced = int(row["untraced"])
     reason = GapReason(untraced).name.lower() if untraced in set(GapReason) else untraced
     return json.dumps(
         {
-            "tid": thread_id(t),
-            "thread": thread_label(t),
+            **thread,
             "break": "untraced" if untraced else "lost",
             "reason": reason if untraced else None,
             "lost": int(row["lost"]),
@@ -203,7 +221,7 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
         # the whole trace is shown: breaks before its first branch belong too
         whole = oldest_first.size < count
         oldest = 0 if whole or oldest_first.size == 0 else int(oldest_first["block"][0])
-        slots = _breaks_among(trace.breaks(t), oldest_first["block"], oldest) if count > 0 else {}
+        slots = _breaks_among(trace.marks(t), oldest_first["block"], oldest) if count > 0 else {}
         # newest first: the breaks go before the row they follow in time
         breaks_above = {oldest_first.size - k: texts for k, texts in slots.items()}
         tail = oldest_first[::-1]
@@ -290,7 +308,7 @@ def calls(
         labels = _labels(history, trace.modules(t), seg[rows])
         # a break shows before the first segment that begins at or after it, when that
         # segment is printed (or at the end, after the last segment)
-        breaks_before = _breaks_among(trace.breaks(t), seg["first_block"], 0)
+        breaks_before = _breaks_among(trace.marks(t), seg["first_block"], 0)
         shown = set(rows.tolist())
         if seg.size - 1 in shown:
             shown.add(seg.size)
@@ -422,7 +440,7 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
         syms, lines = modules.symbolize(addresses), modules.source_lines(addresses)
         row_blocks = np.array([r[2] for r in rows], dtype=np.int64)
         oldest = int(row_blocks[0]) if rows else 0
-        breaks_before = _breaks_among(trace.breaks(t), row_blocks, oldest)
+        breaks_before = _breaks_among(trace.marks(t), row_blocks, oldest)
         if as_json:
             json_lines = _Lines()
             for k, ((address, text, block), sym, line) in enumerate(
