@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import queue
 import re
@@ -706,6 +707,9 @@ def test_faults_a_handler_recovers_from_are_in_the_trace_and_the_program_runs_on
         assert "3 left elsewhere (siglongjmp, or a pc moved), traced again from there" in res.stderr
         gaps = records[records["type"] == RecordType.GAP]["arg"].tolist()
         assert gaps == [GapReason.SIGNAL, GapReason.LEFT_HANDLER] * 3
+        # each said once by the views: by its break, which says the handler ran
+        marked = branchtrace.open(trace.path).marks(tid)["untraced"].tolist()
+        assert marked == [GapReason.LEFT_HANDLER] * 3
     end = branchtrace.open(trace.path).end(tid)
     assert end is not None and (end.call, end.status) == ("exit_group", 0)
 
@@ -1501,7 +1505,8 @@ def test_a_forked_child_keeps_none_of_its_parents_rings_mapped(tmp_path, program
     res = record(tmp_path / "d", *options, "--", str(programs["fork"]), "rings")
     assert res.returncode == 0, res.stderr
     said = res.stdout.splitlines()
-    assert re.fullmatch(r"child \d+: 0 rings", said[0]) and said[1:] == ["parent 3 child-status 0"]
+    assert re.fullmatch(r"child \d+: 0 rings", said[0]), res.stdout  # else the ring's line
+    assert said[1:] == ["parent 3 child-status 0"]
     trace = TraceDir.open(tmp_path / "d")
     assert len(trace.threads()) == (3 if follow else 2)
 
@@ -3404,6 +3409,18 @@ def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, 
     assert off.size == main_ticks and ((off == 0) | (off == 1)).all(), np.unique(off)
     problems, checked = discontinuities(branchtrace.open(trace.path), tid)
     assert checked > 50 and not problems, problems[:10]
+    # the views mark each untraced handler run inside the block recorded before its GAP
+    # (marks: `block` is the next block's index), one mark per place with how many
+    signal_gaps = np.flatnonzero(
+        (recs["type"] == RecordType.GAP) & (recs["arg"] == GapReason.SIGNAL)
+    )
+    blocks_before = np.cumsum(recs["type"] == RecordType.BLOCK)[signal_gaps]
+    marks = branchtrace.open(trace.path).marks(tid)
+    handlers = marks[marks["untraced"] == GapReason.SIGNAL]
+    assert signal_gaps.size > 0 and (marks["times"][marks["untraced"] == 0] == 0).all()
+    assert dict(zip(handlers["block"].tolist(), handlers["times"].tolist(), strict=True)) == (
+        collections.Counter(blocks_before.tolist())
+    )
 
 
 def test_timer_signals_over_libc_and_program_code_keep_the_trace_exact(tmp_path, programs):
@@ -3425,6 +3442,20 @@ def test_timer_signals_over_libc_and_program_code_keep_the_trace_exact(tmp_path,
     b = branchtrace.open(trace.path).branches(tid)
     into = (b["to"] == by_value) & (b["kind"] == BranchKind.INDIRECT_CALL)  # from qsort
     assert int(into.sum()) == int(compares)
+    # `show` says where a handler ran untraced, as often as it did, among the branches
+    recs = parse_words(*trace.words(tid))
+    untraced = int(((recs["type"] == RecordType.GAP) & (recs["arg"] == GapReason.SIGNAL)).sum())
+    shown = subprocess.run(
+        [*BT, "show", "--json", "-n", str(b.size), str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = [json.loads(line) for line in shown.stdout.splitlines()]
+    marked = [r for r in rows if r.get("untraced") == "signal"]
+    assert sum(r["times"] for r in marked) == untraced
+    assert all("break" not in r and "a signal handler ran here" in r["text"] for r in marked)
+    assert sum("index" in r for r in rows) == b.size  # not a row of the branches' count
 
 
 def test_two_signals_delivered_at_once_leave_every_threads_trace_exact(tmp_path, programs):

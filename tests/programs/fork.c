@@ -1,7 +1,8 @@
 /* The parent calls f 3 times after fork, the child 5 times.
    `fork rings`: a second thread of the parent waits on a pipe as the program forks; the
    child prints "child PID: N rings" (N: the *.bts files it has mapped that are not named
-   for its own thread, such as its parent's threads' rings).
+   for its own thread, such as its parent's threads' rings), then the first such line of
+   its /proc/self/maps, if any.
    `fork rings DIR`: the same, then the child closes its output, so that a recording ends
    with its parent, and waits (up to 60 s) for DIR/go before it calls f; it writes DIR/done
    at its end.
@@ -34,14 +35,15 @@ static void *waiter(void *arg) {
   return read(pipe_fds[0], &c, 1) == 1 ? arg : NULL;
 }
 
-static int rings_of_others(void) {
+/* How many; the first one's line of /proc/self/maps into `first` (for a failure to say). */
+static int rings_of_others(char *first, size_t size) {
   char line[4096], own[32];
   snprintf(own, sizeof own, "/T%d.bts", getpid());
   FILE *maps = fopen("/proc/self/maps", "r");
   int n = 0;
   while (maps != NULL && fgets(line, sizeof line, maps))
-    if (strstr(line, ".bts") && !strstr(line, own))
-      n++;
+    if (strstr(line, ".bts") && !strstr(line, own) && n++ == 0)
+      snprintf(first, size, "%s", line);
   if (maps != NULL)
     fclose(maps);
   return n;
@@ -160,7 +162,9 @@ int main(int argc, char **argv) {
     return 2;
   pid_t child = fork();
   if (child == 0 && rings) {
-    printf("child %d: %d rings\n", getpid(), rings_of_others());
+    static char first[4096];
+    int n = rings_of_others(first, sizeof first);
+    printf("child %d: %d rings\n%s", getpid(), n, first);
     fflush(stdout);
     if (argc > 2) {
       fclose(stdout);
