@@ -3997,6 +3997,46 @@ def test_ctrl_c_when_spawned_ends_the_program_and_keeps_the_trace(
     assert calls_to(trace, tid, programs["spin"], "f") > 20
 
 
+def test_ctrl_c_of_a_busy_stream_recording_counts_each_thread_from_where_its_agent_had(
+    tmp_path, programs
+):
+    # the program dies with its ring open: the agent's counts in the ring's header are
+    # exact up to counted_to, and only the words after it are counted (all of them were:
+    # 2.4 s a billion records at the end of the recording)
+    tool = subprocess.Popen(
+        [
+            *BT,
+            "record",
+            "-o",
+            str(tmp_path / "d"),
+            "--mode",
+            "stream",
+            "--",
+            str(programs["bigloop"]),
+            str(10**12),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert "Ctrl-C to stop" in tool.stderr.readline()
+    time.sleep(1.5)
+    tool.send_signal(signal.SIGINT)
+    _, err = tool.communicate(timeout=60)
+    assert tool.returncode == 128 + signal.SIGINT and "killed by SIGINT" in err, err
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    with Ring.open(trace.ring_path(tid)) as ring:
+        counted_to, counted = ring._get("counted_to"), ring._get("counted_records")
+    every_word = trace.record_counts_of_every_word(tid)
+    assert every_word[0] > 10_000_000
+    assert trace.meta()["threads"][str(tid)]["records"] == every_word[0]
+    assert trace.record_counts(tid) == every_word
+    # 0 only if the thread died inside the agent's C code as it changed its counts
+    if counted_to:
+        assert trace._writer_counts(tid) == every_word
+        assert 0 <= every_word[0] - counted <= 1 << 16  # what its last chunk holds at most
+
+
 def test_an_indirect_call_site_with_40_targets_is_exact(tmp_path, programs):
     """Stalker's inline cache is widened to 32 targets per site (stalker_agent.c); a site
     with more still takes the slow path, and every call is recorded either way."""

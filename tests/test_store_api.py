@@ -509,9 +509,10 @@ def test_the_threads_of_a_directory_are_their_keys_in_order(tmp_path):
     blocks=st.integers(1, 3000),
     packed=st.booleans(),
     cut=st.floats(0, 1),
+    counted=st.floats(0, 1),
 )
 def test_a_recorder_killed_in_a_drain_leaves_every_record_readable_once(
-    tmp_path_factory, blocks, packed, cut
+    tmp_path_factory, blocks, packed, cut, counted
 ):
     # drain_to_file appends to the stream file, then releases the words from the ring: a
     # recorder killed in between, or in the append, leaves the file ahead of the ring
@@ -547,6 +548,16 @@ def test_a_recorder_killed_in_a_drain_leaves_every_record_readable_once(
     gaps = {GapReason.SIGNAL: blocks // 97} if blocks >= 97 else {}
     with mock.patch.object(tracedir, "_COUNT_SLICE", 1024):
         assert d.record_counts(77) == (recs.size, gaps) == (blocks + blocks // 97, gaps)
+    # a writer that kept counts in the header, exact up to a record's position (the
+    # stalker engine's agent, killed): only the words after it are counted, from the end
+    # of the stream file and the ring
+    k = 1 + int(counted * (recs.size - 2))  # position 0 says "not known"
+    if k < recs.size:
+        ring._set("counted_to", int(recs["pos"][k]))
+        ring._set("counted_records", k)
+        ring._set("counted_gap_signal", int((recs["type"][:k] == RecordType.GAP).sum()))
+        assert d._writer_counts(77) is not None
+        assert d.record_counts(77) == (blocks + blocks // 97, gaps)
     ring.close()
 
 

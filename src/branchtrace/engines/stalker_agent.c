@@ -355,9 +355,22 @@ static uint64_t wp_position(BtThread *t) {
 }
 
 /* The records written, counted as they are written (the header's counted_* fields) so
-   that the host does not have to scan a stream's words to count them. */
+   that the host does not have to scan a stream's words to count them.  A process killed
+   with its rings open (Ctrl-C) never finishes them: the header's counted_to says up to
+   which stream position they are exact, and a reader counts only the words after it.  It
+   is 0 from here until the count is exact again (publish_counted): a thread killed in
+   between leaves its reader to count the whole stream. */
 static void add_counted(BtThread *t, uint64_t n) {
+  BT_HDR64(&t->w, BT_OFF_COUNTED_TO) = 0;
+  bt_barrier();
   BT_HDR64(&t->w, BT_OFF_COUNTED_RECORDS) = BT_HDR64(&t->w, BT_OFF_COUNTED_RECORDS) + n;
+}
+
+/* Every record before the head is counted, and the inline records that follow it (block
+   slots) are not (refill). */
+static void publish_counted(BtThread *t) {
+  bt_barrier();
+  BT_HDR64(&t->w, BT_OFF_COUNTED_TO) = t->w.head;
 }
 
 /* The slots written since run_start, up to the byte position `end`. */
@@ -418,6 +431,9 @@ static void refill(BtThread *t) {
     WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
     return;
   }
+  /* every caller brought the head up to what it wrote: a thread killed while it waits here
+     for the host to drain (stream mode) leaves an exact count */
+  publish_counted(t);
   uint64_t lost = BT_HDR64(&t->w, BT_OFF_LOST_EVENTS);
   if (t->w.pending_lost)
     ok = bt_flush_lost(&t->w, 1) == 0;
@@ -442,6 +458,7 @@ static void refill(BtThread *t) {
     add_counted(t, 1);
   }
   t->run_start = t->w.head;
+  publish_counted(t);
   WP(t) = (uint64_t)t->w.data + (t->w.head & t->w.mask) + SLOT_LEAD;
 }
 

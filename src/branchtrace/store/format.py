@@ -183,6 +183,7 @@ HEADER_DTYPE = np.dtype(
             "inline_ptr", "inline_base", "table_offset", "table_size", "table_count",
             "table_spilled", "counted_records", "counted_gap_fork", "counted_gap_signal",
             "counted_gap_left_handler", "counted_signals_held", "counted_signals_merged",
+            "counted_to",
         ],
         "formats": [
             "S8", "<u4", "<u4", "<u8", "<u8", "<u8",
@@ -194,6 +195,7 @@ HEADER_DTYPE = np.dtype(
             "<u8", "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8", "<u8",
             "<u8", "<u8", "<u8",
+            "<u8",
         ],
         "offsets": [
             0, 8, 12, 16, 24, 32,
@@ -205,6 +207,7 @@ HEADER_DTYPE = np.dtype(
             _cacheline(320), 328, 336, 344, 352,
             360, 368, 376, 384,
             392, 400, 408,
+            416,
         ],
         "itemsize": HEADER_SIZE,
     }

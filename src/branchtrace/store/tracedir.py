@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StoreError
-from .format import HEADER_SIZE, MAX_RING_PAYLOAD
+from .format import HEADER_SIZE, MAX_RING_PAYLOAD, GapReason, Mode
 from .packed import SUFFIX as PACKED
 from .packed import (
     append_packed,
@@ -334,17 +334,79 @@ class TraceDir:
 
     def record_counts(self, tid: int) -> tuple[int, dict[int, int]]:
         """How many records (PAD excluded) `words(tid)` holds, and its GAP records by
-        reason, counted in the block slots as they are (expanding them loads numba's
-        kernels, a second of `info`'s start-up) and a piece of the stream file at a time:
-        expanded whole, the stream of a call loop recorded for 8 s (3.3 billion records,
-        55 MB of LZ4) took 13.3 GB of memory as the recording stopped at Ctrl-C."""
+        reason.  A stream whose writer kept counts in the ring's header (the stalker
+        engine's agent: exact up to the position `counted_to`) has only the words after
+        that position counted; else every word is, in the block slots as they are
+        (expanding them loads numba's kernels, a second of `info`'s start-up) and a piece
+        of the stream file at a time: expanded whole, the stream of a call loop recorded
+        for 8 s (3.3 billion records, 55 MB of LZ4) took 13.3 GB of memory as the recording
+        stopped at Ctrl-C."""
+        kept = self._writer_counts(tid)
+        if kept is not None:
+            return kept
+        return self._counted_in_words(self._counted_parts(tid))
+
+    def record_counts_of_every_word(self, tid: int) -> tuple[int, dict[int, int]]:
+        """record_counts without the writer's counts: each word looked at."""
+        return self._counted_in_words(self._counted_parts(tid))
+
+    @staticmethod
+    def _counted_in_words(parts: Iterator[tuple[np.ndarray, bool]]) -> tuple[int, dict[int, int]]:
         records, gaps = 0, dict[int, int]()
-        for part, slots in self._counted_parts(tid):
+        for part, slots in parts:
             n, g = count_records(part, slots=slots)
             records += n
             for reason, k in g.items():
                 gaps[reason] = gaps.get(reason, 0) + k
         return records, gaps
+
+    def _writer_counts(self, tid: int) -> tuple[int, dict[int, int]] | None:
+        """The counts a stream ring's writer kept in its header, exact up to its stream
+        position counted_to, and those of the words after it; None without such a
+        position (0: another writer, or one that died changing its counts)."""
+        if not self.ring_path(tid).exists():
+            return None
+        with Ring.open(self.ring_path(tid)) as ring:
+            counted_to = ring._get("counted_to")
+            slots = bool(ring.table_size)
+            if counted_to == 0 or ring.mode != Mode.STREAM:
+                return None
+            records = ring._get("counted_records")
+            gaps = {
+                int(reason): n
+                for reason in GapReason
+                if (n := ring._get(f"counted_gap_{reason.name.lower()}"))
+            }
+            rest, pos = RingReader(ring).read_words()
+            after = self._words_after(tid, counted_to, rest, pos)
+        if after is None:
+            return None
+        n, found = count_records(after, slots=slots)
+        for reason, k in found.items():
+            gaps[reason] = gaps.get(reason, 0) + k
+        return records + n, gaps
+
+    def _words_after(self, tid: int, at: int, rest: np.ndarray, pos: int) -> np.ndarray | None:
+        """The thread's words from stream position `at` on, given the ring's `rest` (from
+        position `pos`), reading only the end of its stream file; None if `at` is not
+        among them."""
+        if at >= pos:
+            return rest[min((at - pos) // 8, rest.size) :]
+        packed = self.stream_path(tid, packed=True)
+        raw = self.stream_path(tid)
+        if packed.exists():
+            total = packed_size(packed)
+            wanted = total - at // 8
+            if wanted <= 0:
+                return None
+            tail, total = packed_tail(packed, max(wanted, total - pos // 8))
+            rest = self._after_drained(tid, tail, rest, pos, total)
+            return np.concatenate([tail[tail.size - wanted :], rest])
+        drained = self._drained(tid) if raw.exists() else None
+        if drained is None or drained.size <= at // 8:
+            return None
+        rest = self._after_drained(tid, drained, rest, pos)
+        return np.concatenate([drained[at // 8 :], rest])
 
     def _counted_parts(self, tid: int) -> Iterator[tuple[np.ndarray, bool]]:
         """`words(tid)` as stored (block slots not expanded), in pieces of whole records,
