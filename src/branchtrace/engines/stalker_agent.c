@@ -367,7 +367,9 @@ static void add_counted(BtThread *t, uint64_t n) {
 }
 
 /* Every record before the head is counted, and the inline records that follow it (block
-   slots) are not (refill). */
+   slots), up to the write pointer, are not (refill).  A reader of a dead writer reads
+   records up to data_head or the write pointer, whichever is further: the count is
+   published only once those reach the head. */
 static void publish_counted(BtThread *t) {
   bt_barrier();
   BT_HDR64(&t->w, BT_OFF_COUNTED_TO) = t->w.head;
@@ -431,8 +433,9 @@ static void refill(BtThread *t) {
     WP(t) = (uint64_t)t->scratch + SLOT_LEAD;
     return;
   }
-  /* every caller brought the head up to what it wrote: a thread killed while it waits here
-     for the host to drain (stream mode) leaves an exact count */
+  /* every caller brought the head up to what it wrote and counted it: a thread killed
+     while it waits here for the host to drain (stream mode) leaves an exact count */
+  bt_publish(&t->w);
   publish_counted(t);
   uint64_t lost = BT_HDR64(&t->w, BT_OFF_LOST_EVENTS);
   if (t->w.pending_lost)
@@ -458,8 +461,8 @@ static void refill(BtThread *t) {
     add_counted(t, 1);
   }
   t->run_start = t->w.head;
-  publish_counted(t);
   WP(t) = (uint64_t)t->w.data + (t->w.head & t->w.mask) + SLOT_LEAD;
+  publish_counted(t);
 }
 
 static void leave_c(BtThread *t);
