@@ -4019,7 +4019,14 @@ def test_ctrl_c_of_a_busy_stream_recording_counts_each_thread_from_where_its_age
         text=True,
     )
     assert "Ctrl-C to stop" in tool.stderr.readline()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # past its first 10 million records
+        time.sleep(0.2)
+        rings = list((tmp_path / "d").glob("T*.bts"))
+        if rings:
+            with Ring.open(rings[0]) as ring:
+                if ring._get("counted_records") > 10_000_000:
+                    break
     tool.send_signal(signal.SIGINT)
     _, err = tool.communicate(timeout=60)
     assert tool.returncode == 128 + signal.SIGINT and "killed by SIGINT" in err, err
