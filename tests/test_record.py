@@ -3442,20 +3442,27 @@ def test_timer_signals_over_libc_and_program_code_keep_the_trace_exact(tmp_path,
     b = branchtrace.open(trace.path).branches(tid)
     into = (b["to"] == by_value) & (b["kind"] == BranchKind.INDIRECT_CALL)  # from qsort
     assert int(into.sum()) == int(compares)
-    # `show` says where a handler ran untraced, as often as it did, among the branches
-    recs = parse_words(*trace.words(tid))
-    untraced = int(((recs["type"] == RecordType.GAP) & (recs["arg"] == GapReason.SIGNAL)).sum())
+    # `show` says where a handler ran untraced, as often as it did, among its branches:
+    # the newest ones, back to the newest such run at least (the whole trace's JSON took 2
+    # minutes)
+    marks = branchtrace.open(trace.path).marks(tid)
+    handlers = marks[marks["untraced"] == GapReason.SIGNAL]
+    assert handlers.size > 0
+    since_newest = int((b["block"] >= handlers["block"][-1]).sum())
+    window = min(b.size, max(20_000, since_newest))
+    oldest = 0 if window == b.size else int(b["block"][-window])  # all: from the start
+    inside = (marks["untraced"] == GapReason.SIGNAL) & (marks["block"] >= oldest)
     shown = subprocess.run(
-        [*BT, "show", "--json", "-n", str(b.size), str(tmp_path / "d")],
+        [*BT, "show", "--json", "-n", str(window), str(tmp_path / "d")],
         capture_output=True,
         text=True,
         check=True,
     )
     rows = [json.loads(line) for line in shown.stdout.splitlines()]
     marked = [r for r in rows if r.get("untraced") == "signal"]
-    assert sum(r["times"] for r in marked) == untraced
+    assert sum(r["times"] for r in marked) == int(marks["times"][inside].sum())
     assert all("break" not in r and "a signal handler ran here" in r["text"] for r in marked)
-    assert sum("index" in r for r in rows) == b.size  # not a row of the branches' count
+    assert sum("index" in r for r in rows) == window  # not a row of the branches' count
 
 
 def test_two_signals_delivered_at_once_leave_every_threads_trace_exact(tmp_path, programs):
