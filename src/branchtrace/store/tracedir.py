@@ -393,7 +393,6 @@ class TraceDir:
         if at >= pos:
             return rest[min((at - pos) // 8, rest.size) :]
         packed = self.stream_path(tid, packed=True)
-        raw = self.stream_path(tid)
         if packed.exists():
             total = packed_size(packed)
             wanted = total - at // 8
@@ -402,7 +401,7 @@ class TraceDir:
             tail, total = packed_tail(packed, max(wanted, total - pos // 8))
             rest = self._after_drained(tid, tail, rest, pos, total)
             return np.concatenate([tail[tail.size - wanted :], rest])
-        drained = self._drained(tid) if raw.exists() else None
+        drained = self._drained(tid)  # raw
         if drained is None or drained.size <= at // 8:
             return None
         rest = self._after_drained(tid, drained, rest, pos)
