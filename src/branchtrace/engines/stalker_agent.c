@@ -152,6 +152,7 @@ typedef struct {
   uint64_t trap_uc;
   uint8_t held_info[128];
   uint64_t let_go_pc; /* where the last held signal was let go: never held again there */
+  uint64_t epilog_seen; /* the epilog helper of Gum's its last callout calls (put_callout) */
 } BtThread;
 
 static void settle_held_signal(BtThread *t);
@@ -3867,6 +3868,107 @@ static void put_leave(GumX86Writer *cw, BtThread *t, int saved, uint64_t start) 
   put_bytes(cw, (const uint8_t *)&start, 8);
 }
 
+/* Gum's epilogs (17.26) undo part of what its prologs keep on an AVX-512 machine: they
+   put back the upper 256 bits of zmm0-15 (vinserti64x4), then the upper 128 of ymm0-15
+   with vinserti128, a VEX write that zeroes bits 256-511 again.  Every callout and every
+   block Gum compiled or looked up for a thread so changed the program's vector state:
+   glibc's strstr() (its AVX-512 version keeps the needle's first bytes across its loop)
+   missed a match in a forked child, 1 recording in some 900.  Each epilog helper a thread's
+   callouts call is mended in place: its 16 vinserti128 become EVEX vinserti32x4 of the whole
+   zmm registers, which write bits 128-255 alone.  Only where the bytes are exactly Gum's
+   (another Gum is left as it is), and only by the thread whose context the helpers belong
+   to, from its transform, between its prolog and its epilog: no thread runs them
+   meanwhile. */
+#define BT_EPILOG_VECTORS 174 /* the bytes checked: from the last vinserti64x4 */
+#define BT_EPILOG_YMM_AT 16   /* the 16 vinserti128, 151 bytes, after it and `add rsp, 0x200` */
+#define BT_EPILOG_YMM_SIZE 151
+
+static int write_safely(void *addr, const void *in, uint64_t n) {
+  uint64_t local[2] = {(uint64_t)in, n};
+  uint64_t remote[2] = {(uint64_t)addr, n};
+  return syscall(311 /* process_vm_writev */, getpid(), local, 1, remote, 1, 0) == (long)n;
+}
+
+/* vinserti128 $1, 16*i(%rsp), %ymm<i>, %ymm<i>, as Gum writes it, or (whole: 1) EVEX
+   vinserti32x4 $1, 16*i(%rsp), %zmm<i>, %zmm<i>; returns its length. */
+static unsigned enc_ymm_restore(uint8_t *out, unsigned i, int whole) {
+  unsigned n = 0;
+  out[n++] = whole ? 0x62 : 0xc4;
+  out[n++] = (i < 8 ? 0xe3 : 0x63) | (whole ? 0x10 : 0); /* R (and EVEX's R'), map 0f3a */
+  out[n++] = (uint8_t)(((~i & 15) << 3) | 0x05);          /* vvvv = i, 256-bit, 66 */
+  if (whole)
+    out[n++] = 0x48; /* 512-bit */
+  out[n++] = 0x38;
+  unsigned disp = whole ? i : 16 * i; /* EVEX scales an 8-bit displacement by 16 */
+  unsigned mod = disp == 0 ? 0 : disp < 128 ? 1 : 2;
+  out[n++] = (uint8_t)((mod << 6) | ((i & 7) << 3) | 4);
+  out[n++] = 0x24; /* [rsp + disp] */
+  for (unsigned k = 0; k < (mod == 1 ? 1u : mod == 2 ? 4u : 0u); k++)
+    out[n++] = (uint8_t)(disp >> (8 * k));
+  out[n++] = 0x01;
+  return n;
+}
+
+/* The bytes of Gum's that are mended (mend = 0), or what replaces the vinserti128 (1). */
+static unsigned epilog_vectors(uint8_t *out, int mend) {
+  static const uint8_t before[] = {
+      0x62, 0x73, 0x85, 0x48, 0x3a, 0x7c, 0x24, 0x0f, 0x01, /* vinserti64x4 $1, 0x1e0(%rsp),
+                                                                %zmm15, %zmm15 */
+      0x48, 0x81, 0xc4, 0x00, 0x02, 0x00, 0x00,             /* add rsp, 0x200 */
+  };
+  static const uint8_t after[] = {0x48, 0x81, 0xc4, 0x00, 0x01, 0x00, 0x00}; /* add rsp, 0x100 */
+  unsigned n = 0;
+  if (!mend)
+    for (unsigned k = 0; k < sizeof before; k++)
+      out[n++] = before[k];
+  for (unsigned i = 0; i < 16; i++)
+    n += enc_ymm_restore(out + n, i, mend);
+  if (mend) {
+    static const uint8_t nop8[] = {0x0f, 0x1f, 0x84, 0x00, 0x00, 0x00, 0x00, 0x00};
+    for (unsigned k = 0; k < sizeof nop8 && n < BT_EPILOG_YMM_SIZE; k++)
+      out[n++] = nop8[k];
+  } else {
+    for (unsigned k = 0; k < sizeof after; k++)
+      out[n++] = after[k];
+  }
+  return n;
+}
+
+/* Mends every epilog of Gum's found in [from, from + size) (see above), read in steps
+   (the stack may be a goroutine's, and the module's data is not writable). */
+#define BT_EPILOG_STEP 256
+static int same_bytes(const uint8_t *a, const uint8_t *b, unsigned n);
+
+static void mend_epilogs_in(uint64_t from, unsigned size) {
+  uint8_t window[BT_EPILOG_STEP + BT_EPILOG_VECTORS];
+  uint8_t gums[BT_EPILOG_VECTORS], mended[BT_EPILOG_YMM_SIZE];
+  if (epilog_vectors(gums, 0) != BT_EPILOG_VECTORS ||
+      epilog_vectors(mended, 1) != BT_EPILOG_YMM_SIZE)
+    return;
+  for (unsigned step = 0; step < size; step += BT_EPILOG_STEP) {
+    if (!read_safely((void *)(from + step), window, sizeof window))
+      continue; /* (not mapped: the slab's start) */
+    for (unsigned at = 0; at < BT_EPILOG_STEP; at++)
+      if (window[at] == gums[0] && same_bytes(window + at, gums, BT_EPILOG_VECTORS))
+        write_safely((void *)(from + step + at + BT_EPILOG_YMM_AT), mended, BT_EPILOG_YMM_SIZE);
+  }
+}
+
+static void put_callout(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                        GumStalkerCallout callout, gpointer data) {
+  gum_stalker_iterator_put_callout(iterator, callout, data, NULL);
+  /* Gum's callout ends: call <epilog>; mov rsp, [rip + ...] (back to the thread's stack) */
+  const uint8_t *end = cw->code;
+  if (end[-12] != 0xe8 || end[-7] != 0x48 || end[-6] != 0x8b || end[-5] != 0x25)
+    return;
+  uint64_t epilog = cw->pc - 7 + (uint64_t)(int64_t) * (const int32_t *)(end - 11);
+  if (epilog == t->epilog_seen)
+    return;
+  t->epilog_seen = epilog;
+  /* the full epilog, and the minimal one Gum writes with it, two helpers before it */
+  mend_epilogs_in(epilog - 0x800, 0xc00);
+}
+
 /* After the chunk check's jrcxz (which skips 5 bytes): a jmp over the callout that claims
    the next chunk, and after the callout the same check again on `wp`, reloaded (the callout
    gives rcx back as it was): at a chunk's end still, the block leaves (put_leave).  The
@@ -3875,7 +3977,7 @@ static void put_leave(GumX86Writer *cw, BtThread *t, int saved, uint64_t start) 
 static void put_inline_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
                                  gconstpointer label, int saving, uint64_t start) {
   gum_x86_writer_put_jmp_near_label(cw, label);
-  gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
+  put_callout(iterator, cw, t, on_chunk_end, t);
   if (saving) {
     put_movabs(cw, movabs_load, t->wpp);
     put_bytes(cw, movzx_ecx_ax_jrcxz, 5);
@@ -3907,7 +4009,7 @@ static void put_tail_slow_path(GumStalkerIterator *iterator, GumX86Writer *cw, B
                                uint32_t *id, int r, uint64_t start) {
   gum_x86_writer_put_jmp_near_label(cw, (uint8_t *)id + 2);
   gum_x86_writer_put_label(cw, (uint8_t *)id + 1);
-  gum_stalker_iterator_put_callout(iterator, on_chunk_end, t, NULL);
+  put_callout(iterator, cw, t, on_chunk_end, t);
   if (r >= 0) {
     put_mov_reg_abs(cw, 0x8b, r, (uint32_t)(uint64_t)t->wpp);
     put_test16(cw, r);
@@ -4238,7 +4340,7 @@ static int put_renewal(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread 
     return 0;
   if (t->refollow == NULL || t->refollow[BT_REFOLLOW_HOOK] == 0x90 /* not hooked yet */) {
     if (!t->renew_stub_asked)
-      gum_stalker_iterator_put_callout(iterator, on_renew_stub_needed, t, NULL);
+      put_callout(iterator, cw, t, on_renew_stub_needed, t);
     t->renew_stub_asked = 1;
     return 0;
   }
@@ -4246,7 +4348,7 @@ static int put_renewal(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread 
   if (renewal == NULL)
     return 0;
   renewal[1] = start;
-  gum_stalker_iterator_put_callout(iterator, on_renewal, renewal, NULL);
+  put_callout(iterator, cw, t, on_renewal, renewal);
   static const uint8_t jmp_rip[] = {0xff, 0x25, 0, 0, 0, 0};
   put_bytes(cw, jmp_rip, sizeof jmp_rip);
   put_bytes(cw, (const uint8_t *)&t->refollow, 8);
@@ -4280,7 +4382,7 @@ static void put_check(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *
     check[3 + i] = (uint8_t)((uint32_t)minus >> (8 * i));
   put_bytes(cw, check, sizeof check);
   gum_x86_writer_put_jmp_near_label(cw, next);
-  gum_stalker_iterator_put_callout(iterator, callout, t, NULL);
+  put_callout(iterator, cw, t, callout, t);
   gum_x86_writer_put_jmp_near_label(cw, go);
   gum_x86_writer_put_label(cw, next);
 }
@@ -4331,7 +4433,7 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
   };
   put_bytes(cw, exit_check, sizeof exit_check);
   gum_x86_writer_put_jmp_near_label(cw, go);
-  gum_stalker_iterator_put_callout(iterator, on_exit_syscall, t, NULL);
+  put_callout(iterator, cw, t, on_exit_syscall, t);
   gum_x86_writer_put_label(cw, go);
 }
 
@@ -4380,7 +4482,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       start = insn->address;
       spilled = new_spilled(t);
       if (spilled != NULL)
-        gum_stalker_iterator_put_callout(iterator, on_spilled_block, spilled, NULL);
+        put_callout(iterator, cw, t, on_spilled_block, spilled);
       else
         t->far_blocks++;
     } else if (first) {
@@ -4418,7 +4520,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       put_syscall_checks(iterator, cw, t, insn->address);
     if (insn->size == 5 && insn->bytes[0] == 0xe8 && STATE->tls_dtors != 0
         && insn->address + 5 + *(const int32_t *)&insn->bytes[1] == STATE->tls_dtors)
-      gum_stalker_iterator_put_callout(iterator, on_thread_ending, t, NULL);
+      put_callout(iterator, cw, t, on_thread_ending, t);
     if (copy != 0 && !is_first && insn->size == 1 && insn->bytes[0] == 0xc3) {
       t->ret_copy = cw->pc; /* no prolog of Gum's is open here (bt_signal_enter) */
       t->ret_copy_ctx = exec_ctx;
