@@ -369,6 +369,56 @@ def test_a_trigger_snapshot_holds_the_threads_that_ended_before_it(tmp_path, pro
         assert names.count("step") == steps, names
 
 
+def loop_head(program: Path, function: str) -> int:
+    """The offset in `function` of its loop's head: the target of its last backward jump."""
+    from capstone import CS_ARCH_X86, CS_MODE_64, Cs
+
+    image = ElfImage(program)
+    start = image.functions[function]
+    heads = []
+    for insn in Cs(CS_ARCH_X86, CS_MODE_64).disasm(image.read(start, 512), start):
+        if insn.mnemonic == "ret":  # (its end, at -O0)
+            break
+        direct = insn.mnemonic.startswith("j") and insn.op_str.startswith("0x")
+        if direct and start <= int(insn.op_str, 16) < insn.address:
+            heads.append(int(insn.op_str, 16))
+    assert heads, f"no loop in {function}"
+    return heads[-1] - start
+
+
+def test_a_trigger_inside_a_leaf_function_leaves_its_locals_as_they_were(tmp_path, programs):
+    # `mix()` keeps its loop counter under the stack pointer (a leaf function at -O0): an
+    # Interceptor probe at the trigger pushed over it, and the program never ended; the call
+    # listener before it also took the word at the stack pointer for a return address
+    program = programs["vectors"]
+    native = subprocess.run([str(program), "50"], capture_output=True, text=True, check=True)
+    trigger = f"mix+{loop_head(program, 'mix'):#x}"
+    out = tmp_path / "trace"
+    r = bt(
+        "record", "-o", str(out), "--trigger", trigger, "--snapshots", "2", "--", str(program), "50"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == native.stdout
+    assert "2 trigger snapshot(s)" in r.stderr
+
+
+def test_a_trigger_inside_a_vector_loop_leaves_the_avx512_registers_as_they_were(
+    tmp_path, programs
+):
+    # glibc's AVX routines in the script's part of a snapshot changed them: 2 of these 2,000
+    # rounds, one per snapshot, through an Interceptor probe
+    program = programs["avx512"]
+    trigger = f"rounds_changed+{loop_head(program, 'rounds_changed'):#x}"
+    out = tmp_path / "trace"
+    args = ["--trigger", trigger, "--snapshots", "2", "--", str(program), "regs", "2000", "0"]
+    r = bt("record", "-o", str(out), *args)
+    assert r.returncode == 0, r.stderr
+    if r.stdout == "no AVX-512\n":
+        pytest.skip("this CPU has no AVX-512")
+    assert r.stdout == "parent: 0 of 2000 rounds saw them changed\nchildren: 0 saw them changed\n"
+    assert "2 trigger snapshot(s)" in r.stderr
+
+
 def test_trigger_needs_wrap_mode_and_a_known_function(programs):
     r = bt("record", "--mode", "stream", "--trigger", "f", "--", str(programs["loop23"]))
     assert r.returncode == 2 and "--trigger snapshots the wrap buffer" in r.stderr

@@ -4437,6 +4437,23 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
   gum_x86_writer_put_label(cw, go);
 }
 
+/* record --trigger: a callout before the instruction at a trigger's address, where the
+   script (bt_trigger_reached) has the host copy every ring and waits for it.  Gum's callout
+   keeps the thread's whole state and runs on a stack of Gum's.  An Interceptor hook there
+   did neither: a call listener took the word at the stack pointer for a return address and
+   put its own there (in the middle of a function, the caller's frame pointer: `avx512 regs`
+   printed garbage for its round count and never ended), and a probe pushed into the red
+   zone (`vectors`' leaf function lost its loop counter and never returned) and left
+   glibc's AVX routines in the script change the vector registers (2 of 2,000 rounds of
+   `avx512 regs`, one per snapshot).  bt_triggers: how many, then each one's address and
+   index. */
+extern uint64_t bt_triggers[];
+extern void bt_trigger_reached(uint64_t index);
+
+static void on_trigger(GumCpuContext *cpu, gpointer user_data) {
+  bt_trigger_reached((uint64_t)user_data);
+}
+
 void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data) {
   BtThread *t = user_data;
   GumX86Writer *cw = output->writer.x86;
@@ -4516,6 +4533,9 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     mapped += copy != 0;
     first = 0;
     last = insn->address;
+    for (uint64_t k = 0; k < bt_triggers[0]; k++)
+      if (bt_triggers[1 + 2 * k] == insn->address)
+        put_callout(iterator, cw, t, on_trigger, (gpointer)bt_triggers[2 + 2 * k]);
     if (insn->id == X86_INS_SYSCALL)
       put_syscall_checks(iterator, cw, t, insn->address);
     if (insn->size == 5 && insn->bytes[0] == 0xe8 && STATE->tls_dtors != 0

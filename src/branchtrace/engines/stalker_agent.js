@@ -332,6 +332,31 @@ const sigStub = (() => {
   Cloak.addRange({ base: stub, size: 2 * page });
   return stub;
 })();
+// record --trigger: the thread that reaches a trigger waits while the host copies the rings,
+// so its snapshot ends exactly there.  The agent's transform puts a callout before the
+// trigger's instruction (on_trigger in stalker_agent.c), which calls triggerReached.
+const triggerTable = Memory.alloc(8 * (1 + 2 * PARAMS.triggers.length)); // bt_triggers
+let triggersPlaced = 0;
+for (const [index, trigger] of PARAMS.triggers.entries()) {
+  const module = Process.enumerateModules().find((m) => m.path === trigger.path);
+  if (module === undefined) {
+    send({ type: 'error', message: `trigger ${trigger.label}: ${trigger.path} is not loaded` });
+    continue;
+  }
+  triggerTable.add(8 * (1 + 2 * triggersPlaced)).writePointer(module.base.add(trigger.offset));
+  triggerTable.add(8 * (2 + 2 * triggersPlaced)).writeU64(index);
+  triggersPlaced += 1;
+}
+triggerTable.writeU64(triggersPlaced);
+let snapshotsLeft = PARAMS.snapshots;
+// (`tracing` is set further down, before any thread is followed)
+const triggerReached = new NativeCallback((index) => {
+  if (!tracing || snapshotsLeft <= 0 || !inTracedProcess()) return;
+  snapshotsLeft -= 1;
+  const tid = Process.getCurrentThreadId();
+  send({ type: 'trigger', index: Number(index), tid });
+  recv(`snapshot:${tid}`, () => {}).wait();
+}, 'void', ['uint64']);
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
   bt_new_handler: newHandler,
@@ -345,6 +370,8 @@ const cm = new CModule(PARAMS.cSource, {
   bt_follow_afresh: followAfresh,
   bt_new_refollow: newRefollow,
   bt_sigstub: sigStub,
+  bt_trigger_reached: triggerReached,
+  bt_triggers: triggerTable,
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
   syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),
@@ -970,26 +997,6 @@ if (PARAMS.spawn) {
       }
     });
   }
-}
-
-// record --trigger: the thread that reaches a trigger waits while the host copies the rings,
-// so its snapshot ends exactly there.
-let snapshotsLeft = PARAMS.snapshots;
-for (const [index, trigger] of PARAMS.triggers.entries()) {
-  const module = Process.enumerateModules().find((m) => m.path === trigger.path);
-  if (module === undefined) {
-    send({ type: 'error', message: `trigger ${trigger.label}: ${trigger.path} is not loaded` });
-    continue;
-  }
-  attach(module.base.add(trigger.offset), {
-    onEnter() {
-      if (!tracing || snapshotsLeft <= 0 || !inTracedProcess()) return;
-      snapshotsLeft -= 1;
-      const tid = Process.getCurrentThreadId();
-      send({ type: 'trigger', index, tid });
-      recv(`snapshot:${tid}`, () => {}).wait();
-    },
-  });
 }
 
 // Threads inside a fork() that began before the fork hook was in place: no hook marks them,
