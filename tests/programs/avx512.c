@@ -7,7 +7,9 @@
    `avx512 strstr N`: forks N children one after the other; child i searches with its first
    strstr() a haystack whose match begins at byte i; prints "N children, M found a wrong
    place" (glibc's AVX-512 strstr() keeps the needle's first byte in all 512 bits of a
-   register across its loop). */
+   register across its loop).  `avx512 threads N`: the same searches, each in a thread of
+   its own, one after the other; prints "N threads, M found a wrong place". */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,17 +87,38 @@ static int regs(long rounds, int children) {
   return 0;
 }
 
+static int search_at(int at) {
+  char haystack[200]; /* 150 bytes: the match at 0 .. 140 */
+  memset(haystack, 'a', sizeof haystack);
+  memcpy(haystack + at, "/T123.bts", 9);
+  haystack[150] = '\0';
+  return strstr(haystack, "/T123.bts") != haystack + at;
+}
+
+static void *search_in_thread(void *at) {
+  return (void *)(long)search_at((int)(long)at);
+}
+
+static int thread_searches(int n) {
+  int wrong = 0;
+  for (int at = 0; at < n; at++) {
+    pthread_t thread;
+    void *result = (void *)1L;
+    if (pthread_create(&thread, NULL, search_in_thread, (void *)(long)at) != 0 ||
+        pthread_join(thread, &result) != 0)
+      return 2;
+    wrong += result != NULL;
+  }
+  printf("%d threads, %d found a wrong place\n", n, wrong);
+  return 0;
+}
+
 static int searches(int n) {
-  char haystack[200]; /* 150 bytes: the match at 0 .. N-1 (N <= 141) */
   int wrong = 0;
   for (int at = 0; at < n; at++) {
     pid_t child = fork();
-    if (child == 0) {
-      memset(haystack, 'a', sizeof haystack);
-      memcpy(haystack + at, "/T123.bts", 9);
-      haystack[150] = '\0';
-      _exit(strstr(haystack, "/T123.bts") != haystack + at);
-    }
+    if (child == 0)
+      _exit(search_at(at));
     int status;
     wrong += waitpid(child, &status, 0) != child || !WIFEXITED(status) ||
              WEXITSTATUS(status) != 0;
@@ -109,6 +132,8 @@ int main(int argc, char **argv) {
     return regs(atol(argv[2]), atoi(argv[3]));
   if (argc == 3 && strcmp(argv[1], "strstr") == 0)
     return searches(atoi(argv[2]));
-  fprintf(stderr, "usage: avx512 regs ROUNDS CHILDREN | avx512 strstr N\n");
+  if (argc == 3 && strcmp(argv[1], "threads") == 0)
+    return thread_searches(atoi(argv[2]));
+  fprintf(stderr, "usage: avx512 regs ROUNDS CHILDREN | avx512 strstr|threads N\n");
   return 2;
 }

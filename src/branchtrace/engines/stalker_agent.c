@@ -3873,13 +3873,13 @@ static void put_leave(GumX86Writer *cw, BtThread *t, int saved, uint64_t start) 
    with vinserti128, a VEX write that zeroes bits 256-511 again.  Every callout and every
    block Gum compiled or looked up for a thread so changed the program's vector state:
    glibc's strstr() (its AVX-512 version keeps the needle's first byte across its loop)
-   missed matches in forked children (32 of 96 of `avx512 strstr 96`, blocks compiled
-   afresh), and `fork rings` in CI took its own ring for its parent's.  Each epilog helper
-   a thread's callouts call is mended in place: its 16 vinserti128 become EVEX vinserti32x4
-   of the whole zmm registers, which write bits 128-255 alone.  Only where the bytes are
-   exactly Gum's (another Gum is left as it is), and only by the thread whose context the
-   helpers belong to, from its transform, between its prolog and its epilog: no thread runs
-   them meanwhile. */
+   missed matches in new threads and forked children (32 of 96 of `avx512 threads 96`,
+   blocks compiled afresh), and `fork rings` in CI took its own ring for its parent's.
+   Each epilog helper a thread's callouts call is mended in place: its 16 vinserti128
+   become EVEX vinserti32x4 of the whole zmm registers, which write bits 128-255 alone.
+   Only where the bytes are exactly Gum's (another Gum is left as it is), and only by the
+   thread whose context the helpers belong to, from its transform, between its prolog and
+   its epilog: no thread runs them meanwhile. */
 #define BT_EPILOG_VECTORS 174 /* the bytes checked: from the last vinserti64x4 */
 #define BT_EPILOG_YMM_AT 16   /* the 16 vinserti128, 151 bytes, after it and `add rsp, 0x200` */
 #define BT_EPILOG_YMM_SIZE 151
