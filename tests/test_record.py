@@ -544,8 +544,8 @@ def test_each_threads_first_strstr_finds_the_match_where_it_is(tmp_path, program
     # glibc's AVX-512 strstr() keeps the needle's first byte in all 512 bits of a register
     # across its loop, and each thread's blocks are compiled afresh: through Gum's epilogs
     # (see above), 32 of these 96 threads found no match, or another, where it began in the
-    # upper half of a 64-byte step (as did forked children: `avx512 strstr 96`, and `fork
-    # rings` in CI once in some 900 runs, its own ring taken for its parent's)
+    # upper half of a 64-byte step (as did forked children, and `fork rings` in CI once in
+    # some 900 runs, its own ring taken for its parent's)
     res = record(tmp_path / "d", "--", str(programs["avx512"]), "threads", "96")
     assert res.returncode == 0, res.stderr
     assert res.stdout == "96 threads, 0 found a wrong place\n"

@@ -4,11 +4,10 @@
    "parent: N of ROUNDS rounds saw them changed"; then CHILDREN times forks a child that does
    the same (exit status 1 if any round saw a change) and prints "children: M saw them
    changed".  Prints "no AVX-512" and does nothing else on a CPU without AVX-512F and BW.
-   `avx512 strstr N`: forks N children one after the other; child i searches with its first
-   strstr() a haystack whose match begins at byte i; prints "N children, M found a wrong
-   place" (glibc's AVX-512 strstr() keeps the needle's first byte in all 512 bits of a
-   register across its loop).  `avx512 threads N`: the same searches, each in a thread of
-   its own, one after the other; prints "N threads, M found a wrong place". */
+   `avx512 threads N`: starts N threads one after the other; thread i searches with its
+   first strstr() a haystack whose match begins at byte i; prints "N threads, M found a
+   wrong place" (glibc's AVX-512 strstr() keeps the needle's first byte in all 512 bits of
+   a register across its loop). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -99,7 +98,7 @@ static void *search_in_thread(void *at) {
   return (void *)(long)search_at((int)(long)at);
 }
 
-static int thread_searches(int n) {
+static int searches(int n) {
   int wrong = 0;
   for (int at = 0; at < n; at++) {
     pthread_t thread;
@@ -113,27 +112,11 @@ static int thread_searches(int n) {
   return 0;
 }
 
-static int searches(int n) {
-  int wrong = 0;
-  for (int at = 0; at < n; at++) {
-    pid_t child = fork();
-    if (child == 0)
-      _exit(search_at(at));
-    int status;
-    wrong += waitpid(child, &status, 0) != child || !WIFEXITED(status) ||
-             WEXITSTATUS(status) != 0;
-  }
-  printf("%d children, %d found a wrong place\n", n, wrong);
-  return 0;
-}
-
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "regs") == 0)
     return regs(atol(argv[2]), atoi(argv[3]));
-  if (argc == 3 && strcmp(argv[1], "strstr") == 0)
-    return searches(atoi(argv[2]));
   if (argc == 3 && strcmp(argv[1], "threads") == 0)
-    return thread_searches(atoi(argv[2]));
-  fprintf(stderr, "usage: avx512 regs ROUNDS CHILDREN | avx512 strstr|threads N\n");
+    return searches(atoi(argv[2]));
+  fprintf(stderr, "usage: avx512 regs ROUNDS CHILDREN | avx512 threads N\n");
   return 2;
 }
