@@ -4,7 +4,7 @@ all its children (40) exiting 0, and the recording must end with status 0.
 
     python bench/follow_fork_stress.py [--runs 16] [--busy 1] [--mode stream] [--duration 3]
         [--rounds 40] [--pause-ms 50] [--child-ms 0] [--child-exit _exit|exit]
-        [--start-after-ms 0] [--no-follow-fork] [--plain-frida [gating]] [--spawn]
+        [--start-after-ms 0] [--no-follow-fork] [--plain-frida [gating|spawn]] [--spawn]
 
 A reliability check, not a speed one: Frida's fork handling under child gating has races
 that show only under load (see docs/fork.md).  `--rounds 400 --pause-ms 2 --no-follow-fork`
@@ -15,7 +15,9 @@ hung program is printed.  So are the runs where Frida dropped its session with t
 midway (the recorder says so; the trace ends there).  `--plain-frida` attaches Frida
 alone (a one-line script, then detach) instead of recording, `--plain-frida gating` the
 same with Frida's child gating on (each child resumed as reported: what `--follow-fork`
-asks of Frida, without our agent), and `--start-after-ms` lets
+asks of Frida, without our agent), `--plain-frida spawn` spawns the program with Frida
+alone, child gating on in it and in each child (what `record --follow-fork` asks of Frida
+from a program's start) and names where a frozen program stopped, and `--start-after-ms` lets
 the program start forking only after the attach.  `--spawn` records the program from its
 start to its end instead (no attach, no --duration); a child whose trace is cut short is
 counted too.
@@ -56,6 +58,59 @@ session.enable_child_gating()
 time.sleep(float(sys.argv[2]))
 session.disable_child_gating()
 session.detach()
+"""
+#: Frida alone, as `record --follow-fork` asks of it from a program's start: spawn it (argv:
+#: the program and its arguments), child gating on, each child attached with a one-line
+#: script and its own gating on, then resumed.  It watches the program for the freeze of
+#: docs/fork.md section 5: a thread of it held in a tracing stop by a thread of this process
+#: (Frida's injector) for 1 s, and then says where it stopped, in Frida's agent, and kills it.
+PLAIN_FRIDA_SPAWN = """
+import os, sys, threading, time, frida
+device = frida.get_local_device()
+pid = device.spawn(sys.argv[1:], stdio="pipe")
+printed = []
+device.on("output", lambda p, fd, data: printed.append(data) if p == pid and fd == 1 else None)
+def follow(child):
+    try:
+        session = device.attach(child.pid)
+        session.create_script("send(1);").load()
+        session.enable_child_gating()
+    finally:
+        device.resume(child.pid)
+device.on("child-added", lambda c: threading.Thread(target=follow, args=(c,)).start())
+ended = threading.Event()
+session = device.attach(pid)
+session.on("detached", lambda *_: ended.set())
+session.create_script("send(1);").load()
+session.enable_child_gating()
+device.resume(pid)
+def read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+def agent_offset(pc):
+    for line in read(f"/proc/{pid}/maps").splitlines():
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= pc < end and "frida-agent" in line:
+            return f"frida-agent+{pc - start + int(fields[2], 16):#x}"
+    return f"{pc:#x}, outside Frida's agent"
+stopped_since = {}
+while not ended.wait(0.1):
+    ours = set(os.listdir("/proc/self/task"))
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
+        status = dict(l.split(":", 1) for l in read(f"/proc/{pid}/task/{tid}/status").splitlines())
+        if status.get("State", "").split()[:1] == ["t"] and status["TracerPid"].strip() in ours:
+            if time.monotonic() - stopped_since.setdefault(tid, time.monotonic()) > 1:
+                pc = int(read(f"/proc/{pid}/task/{tid}/syscall").split()[-1], 16)
+                print(f"frozen: thread {tid} stopped at {agent_offset(pc)}", flush=True)
+                os.kill(pid, 9)
+                os._exit(0)
+        else:
+            stopped_since.pop(tid, None)
+print(b"".join(printed).decode(errors="replace"), flush=True)
 """
 
 
@@ -123,7 +178,33 @@ def spawn_once(program: Path, out: Path, args: argparse.Namespace) -> str:
     return "ok"
 
 
+def plain_spawn_once(program: Path, args: argparse.Namespace) -> str:
+    """Frida alone spawns forkloop with child gating (PLAIN_FRIDA_SPAWN)."""
+    argv = [str(program), str(args.rounds), str(int(args.pause_ms * 1000)), "0"]
+    argv += [str(int(args.child_ms * 1000)), args.child_exit]
+    command = [sys.executable, "-c", PLAIN_FRIDA_SPAWN, *argv]
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        ended = finish(run, 60 + args.rounds * (args.pause_ms + args.child_ms) / 1000)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+    if ended is None:
+        return "the program hung (no thread of it held by Frida's injector)"
+    printed = ended[0].split()
+    if printed[:1] == ["frozen:"]:
+        return f"the program froze in Frida's recovery from fork() ({' '.join(printed[1:])})"
+    if printed[-1:] != [str(args.rounds)]:
+        print(ended[1], file=sys.stderr)
+        return f"{printed[-1:] or 'no'} good children of {args.rounds}"
+    return "ok"
+
+
 def run_once(program: Path, out: Path, args: argparse.Namespace) -> str:
+    if args.plain_frida == "spawn":
+        return plain_spawn_once(program, args)
     if args.spawn:
         return spawn_once(program, out, args)
     pause_us, child_us = int(args.pause_ms * 1000), int(args.child_ms * 1000)
@@ -214,8 +295,9 @@ def main() -> int:
         "--plain-frida",
         nargs="?",
         const="attach",
-        choices=["attach", "gating"],
-        help="attach Frida alone, not record (gating: with child gating on, as --follow-fork)",
+        choices=["attach", "gating", "spawn"],
+        help="attach Frida alone, not record (gating: with child gating on, as --follow-fork; "
+        "spawn: spawn the program, gating on in it and in each child)",
     )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bt-forkstress-"))
@@ -241,7 +323,9 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     summary = ", ".join(f"{count} {outcome}" for outcome, count in outcomes.most_common())
     if args.plain_frida:
-        what = "attaches (plain Frida" + (", child gating" if args.plain_frida == "gating" else "")
+        kind = {"attach": "attaches", "gating": "attaches", "spawn": "spawned runs"}
+        what = f"{kind[args.plain_frida]} (plain Frida"
+        what += "" if args.plain_frida == "attach" else ", child gating"
     else:
         what = f"recordings ({args.mode}" + (", spawned" if args.spawn else "")
     what += "" if args.plain_frida or args.no_follow_fork else ", --follow-fork"

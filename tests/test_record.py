@@ -63,7 +63,7 @@ def record(out: Path, *args: str, mode: str = "stream", **kw) -> subprocess.Comp
     """`branchtrace record -o out --mode mode args`; a program spawned with --follow-fork is
     recorded once more if Frida broke a process in its own recovery from a fork(): the tool
     names that fault (FRIDA_FAULT) and kills the process, or the program would never run
-    again (docs/fork.md section 5: once in a few hundred to a few thousand forks)."""
+    again (docs/fork.md sections 5 and 28: about once in 100 to 400 forks every 2 ms)."""
     kw.setdefault("timeout", 300)
     retry = "--follow-fork" in args and "-p" not in args
     for attempt in range(2 if retry else 1):

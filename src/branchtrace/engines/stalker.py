@@ -632,8 +632,8 @@ _FROZEN_KILLED = "it could never run again: branchtrace killed it"
 def _frozen(process: str, fate: str, traced: bool = True) -> str:
     return (
         f"{process} faulted inside Frida's recovery from a fork(), and Frida's injector holds "
-        "it stopped there for good (a Frida bug, met once in a few hundred to a few thousand "
-        f"forks traced under --follow-fork here): {fate}; "
+        "it stopped there for good (a Frida bug, which Frida alone meets too; under "
+        f"--follow-fork about once in 100 to 400 forks of a program forking every 2 ms): {fate}; "
         + ("the trace up to there is kept" if traced else "it was not traced")
     )
 
