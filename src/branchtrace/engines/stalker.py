@@ -889,6 +889,10 @@ class _Recording:
         #: whether every agent found Frida's heap locks, which its fork()s take
         #: (bt_on_fork_syscall in stalker_agent.c), or None if none said
         self.fork_heap_locks: bool | None = None
+        #: whether every agent put its stub around the pthread_create() of Frida's loader,
+        #: which the injector runs on the main thread after each fork() (stalker_agent.js:
+        #: injectorGuarded), or None if none said
+        self.injector_guard: bool | None = None
         #: where the first agent that looked found GLib's signal lock, from the agent's
         #: start, or -1 if nowhere: the same in every process's agent, so the others are
         #: handed it (stalker_agent.js)
@@ -1410,6 +1414,8 @@ class _Recording:
                     self.fork_signal_lock = (
                         bool(event.get("signalLock")) and self.fork_signal_lock is not False
                     )
+                elif event.get("type") == "injector-guard":
+                    self.injector_guard = bool(event["found"]) and self.injector_guard is not False
                 elif event.get("type") == "frida-fault":
                     self.frida_faults.append({"pid": pid, **event})
                     del self.frida_faults[-1]["type"]
@@ -1443,6 +1449,12 @@ class _Recording:
                 "GLib's signal lock was not found in Frida's agent (this Frida is not one "
                 "branchtrace knows): a child forked while another thread starts or ends can "
                 "be stuck in Frida's recovery (docs/fork.md section 22)"
+            )
+        if self.options.follow_fork and self.injector_guard is False:
+            self._error(
+                "Frida's loader was not found (this Frida is not one branchtrace knows): "
+                "after each fork(), Frida's injector can leave the main thread of the parent "
+                "and of each child with its vector registers changed (docs/fork.md section 29)"
             )
         if self.inline_cache is not None and self.inline_cache != INLINE_CACHE:
             self._error(
@@ -2426,6 +2438,7 @@ class StalkerEngine:
         meta["traced_from"] = rec.traced_from
         meta["fork_heap_locks"] = rec.fork_heap_locks
         meta["fork_signal_lock"] = rec.fork_signal_lock
+        meta["injector_guard"] = rec.injector_guard
         meta["frida_faults"] = rec.frida_faults
         meta["contexts_renewed"] = rec.contexts_renewed
         tracedir.write_meta(meta)

@@ -970,6 +970,128 @@ if (heapLocksFound) { // so /proc/self/maps showed the agent
 }
 note({ type: 'fork-heap-locks', found: heapLocksFound, signalLock: signalLockOffset >= 0 });
 
+// Frida's injector puts the agent's thread back after every fork() under child gating (in
+// the parent, and in each child it hands us) by hijacking the process's main thread: it
+// stops it wherever it is, runs socketpair() and then its loader on it, whose frida_load()
+// calls pthread_create(), and puts back the general registers only.  pthread_create() (glibc's
+// string routines) changes the vector registers, so the main thread went on with what that
+// code left in them: the program computed with changed registers (tests/programs/vecfork.c:
+// xmm and ymm changed at 99 forks of 100), and Frida's own code, stopped with live values in
+// them, corrupted its heap (the fault of docs/fork.md sections 5 and 28).  So the loader's
+// pthread_create() goes through a stub that saves the vector and x87 state (XSAVE, else
+// FXSAVE) before and puts it back after: nothing before it on that path touches them
+// (socketpair() is a system call; frida_load() moves pointers).  The loader is found by
+// frida_load()'s code at the start of an anonymous mapping, its table of the C library's
+// functions by the context that points to it; the stub is mapped for good, as the others,
+// and a child inherits the patched table with it.
+const LOADER_ENTRY = [ // frida_load() in Frida 17's loader: its offsets are read from it
+  0xf3, 0x0f, 0x1e, 0xfa, // endbr64
+  0x48, 0x89, 0xf9, // mov rcx, rdi: ctx
+  0x48, 0x8d, 0x15, -1, -1, -1, -1, // lea rdx, [rip + frida_main]
+  0x48, 0x8d, 0x7f, -1, // lea rdi, [rdi + worker]
+  0x31, 0xf6, // xor esi, esi
+  0x48, 0x8b, 0x41, -1, // mov rax, [rcx + libc]
+  0x48, 0x8b, 0x40, -1, // mov rax, [rax + pthread_create]
+  0xff, 0xe0, // jmp rax
+];
+const GUARD_START = [0x53, 0x57, 0x56, 0x52, 0x51, 0x4c, 0x8d, 0x1d]; // the stub's, below
+// Whether `target` is the stub below, put there by this script in a parent (a forked child
+// inherits the patched table), around `created`.
+function guardOf(target, created) {
+  try {
+    const code = new Uint8Array(target.readByteArray(GUARD_START.length));
+    return GUARD_START.every((b, i) => code[i] === b)
+      && target.add(4096).readPointer().equals(created);
+  } catch (e) {
+    return false;
+  }
+}
+function findLoaderSlot() {
+  const created = libc('pthread_create');
+  for (const line of File.readAllText('/proc/self/maps').split('\n')) {
+    const fields = line.trim().split(/\s+/);
+    if (fields.length !== 5 || !fields[1].includes('x')) {
+      continue; // the loader's mapping is anonymous and executable
+    }
+    const [start, end] = fields[0].split('-').map((x) => ptr('0x' + x));
+    const size = end.sub(start).toInt32();
+    let code;
+    try {
+      code = new Uint8Array(start.readByteArray(LOADER_ENTRY.length));
+    } catch (e) {
+      continue;
+    }
+    if (!LOADER_ENTRY.every((b, i) => b < 0 || code[i] === b)) {
+      continue;
+    }
+    const libcAt = code[23];
+    const slotAt = code[27];
+    // the context: the word at libcAt points to a table whose slot slotAt holds
+    // pthread_create(), both in this mapping
+    for (let at = 0; at + libcAt + 8 <= size; at += 8) {
+      const table = start.add(at + libcAt).readPointer();
+      if (table.compare(start) < 0 || table.add(slotAt + 8).compare(end) > 0) {
+        continue;
+      }
+      const target = table.add(slotAt).readPointer();
+      if (target.equals(created) || guardOf(target, created)) {
+        return table.add(slotAt);
+      }
+    }
+  }
+  return null;
+}
+const injectorGuarded = (() => {
+  let slot;
+  try {
+    slot = findLoaderSlot();
+  } catch (e) {
+    return false;
+  }
+  if (slot === null) {
+    return false;
+  }
+  if (guardOf(slot.readPointer(), libc('pthread_create'))) {
+    return true; // a forked child's, inherited
+  }
+  const mmap = new NativeFunction(libc('mmap'), 'pointer',
+    ['pointer', 'size_t', 'int', 'int', 'int', 'int64']);
+  const page = 4096; // the code, then: the real pthread_create(), its result, the state
+  const stub = mmap(NULL, 2 * page, 3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+  if (stub.equals(ptr(-1))) {
+    return false;
+  }
+  const code = [];
+  const ripTo = (offset) => { // disp32 of [rip + disp] (the field last in the instruction)
+    const disp = page + offset - (code.length + 4);
+    code.push(disp & 0xff, (disp >> 8) & 0xff, (disp >> 16) & 0xff, (disp >> 24) & 0xff);
+  };
+  const state = (rmByte) => {
+    code.push(0x4c, 0x8d, 0x1d); ripTo(64); // lea r11, [rip + state]: 64-aligned
+    // x87, SSE, AVX, AVX-512 (not AMX's tiles)
+    code.push(0xb8, 0xe7, 0, 0, 0, 0x31, 0xd2); // mov eax, 0xe7; xor edx, edx
+    code.push(0x49, 0x0f, 0xae, rmByte); // xsave64/xrstor64 or fxsave64/fxrstor64 [r11]
+  };
+  code.push(0x53); // push rbx: the stack 16-aligned for the call
+  code.push(0x57, 0x56, 0x52, 0x51); // push rdi, rsi, rdx, rcx: the arguments
+  state(xsave ? 0x23 : 0x03);
+  code.push(0x59, 0x5a, 0x5e, 0x5f); // pop rcx, rdx, rsi, rdi
+  code.push(0xff, 0x15); ripTo(0); // call [rip + pthread_create]
+  code.push(0x48, 0x89, 0x05); ripTo(8); // mov [rip + result], rax
+  state(xsave ? 0x2b : 0x0b);
+  code.push(0x48, 0x8b, 0x05); ripTo(8); // mov rax, [rip + result]
+  code.push(0x5b, 0xc3); // pop rbx; ret
+  stub.writeByteArray(code);
+  stub.add(page).writePointer(slot.readPointer());
+  if (!Memory.protect(stub, page, 'r-x')) {
+    return false;
+  }
+  Cloak.addRange({ base: stub, size: 2 * page });
+  slot.writePointer(stub);
+  return true;
+})();
+note({ type: 'injector-guard', found: injectorGuarded });
+
 // A spawned program is traced from the first of these its main thread runs: the
 // executable's _init, where Frida holds it (libc calls _init right before the executable's
 // constructors and main), or main, should _init be missing or have run already.

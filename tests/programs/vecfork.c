@@ -1,0 +1,131 @@
+/* `vecfork FORKS PAUSE_US`: the main thread keeps known values in xmm3 and xmm5 (and, on
+   a CPU with AVX, all 256 bits of ymm4) through rounds of 20 taken jumps with no call
+   between, checking them after each round, while a second thread forks FORKS children,
+   PAUSE_US microseconds apart (each child _exit(0)s at once); then prints "ROUNDS rounds, M
+   saw them changed, C children exited 0" (Frida's injector runs code on the main thread
+   after each fork() under child gating). */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const unsigned int known[8] __attribute__((aligned(32))) = {
+    0x11111111, 0x22222222, 0x33333333, 0x44444444,
+    0x55555555, 0x66666666, 0x77777777, 0x88888888};
+static volatile int forks_done;
+static int forks, pause_us, children_ok;
+
+static void *forker(void *unused) {
+  (void)unused;
+  for (int i = 0; i < forks; i++) {
+    pid_t child = fork();
+    if (child == 0)
+      _exit(0);
+    int status;
+    children_ok += waitpid(child, &status, 0) == child && WIFEXITED(status) &&
+                   WEXITSTATUS(status) == 0;
+    usleep(pause_us);
+  }
+  forks_done = 1;
+  return NULL;
+}
+
+/* xmm3 and xmm5 against `known`, until forks_done; returns the rounds that saw a change */
+static long rounds_sse(long *rounds) {
+  long changed = 0, n = 0;
+  __asm__ volatile(
+      "movdqa (%[known]), %%xmm3\n"
+      "movdqa (%[known]), %%xmm5\n"
+      "1:\n"
+      ".rept 20\n"
+      "test %%rsp, %%rsp\n"
+      "jnz 2f\n"
+      "nop\n"
+      "2:\n"
+      ".endr\n"
+      "inc %[n]\n"
+      "movdqa %%xmm3, %%xmm0\n"
+      "pcmpeqd (%[known]), %%xmm0\n"
+      "pmovmskb %%xmm0, %%edx\n"
+      "movdqa %%xmm5, %%xmm0\n"
+      "pcmpeqd (%[known]), %%xmm0\n"
+      "pmovmskb %%xmm0, %%ecx\n"
+      "and %%ecx, %%edx\n"
+      "cmp $0xffff, %%edx\n"
+      "je 3f\n"
+      "inc %[changed]\n"
+      "movdqa (%[known]), %%xmm3\n"
+      "movdqa (%[known]), %%xmm5\n"
+      "3:\n"
+      "cmpl $0, (%[done])\n"
+      "je 1b\n"
+      : [changed] "+r"(changed), [n] "+r"(n)
+      : [known] "r"(known), [done] "r"(&forks_done)
+      : "rcx", "rdx", "xmm0", "xmm3", "xmm5", "memory", "cc");
+  *rounds = n;
+  return changed;
+}
+
+/* the same with all 256 bits of ymm4 as well */
+__attribute__((target("avx"))) static long rounds_avx(long *rounds) {
+  long changed = 0, n = 0;
+  __asm__ volatile(
+      "movdqa (%[known]), %%xmm3\n"
+      "movdqa (%[known]), %%xmm5\n"
+      "vmovdqa (%[known]), %%ymm4\n"
+      "1:\n"
+      ".rept 20\n"
+      "test %%rsp, %%rsp\n"
+      "jnz 2f\n"
+      "nop\n"
+      "2:\n"
+      ".endr\n"
+      "inc %[n]\n"
+      "movdqa %%xmm3, %%xmm0\n"
+      "pcmpeqd (%[known]), %%xmm0\n"
+      "pmovmskb %%xmm0, %%edx\n"
+      "movdqa %%xmm5, %%xmm0\n"
+      "pcmpeqd (%[known]), %%xmm0\n"
+      "pmovmskb %%xmm0, %%ecx\n"
+      "and %%ecx, %%edx\n"
+      "vpcmpeqd (%[known]), %%xmm4, %%xmm0\n"
+      "vpmovmskb %%xmm0, %%ecx\n"
+      "and %%ecx, %%edx\n"
+      "vextractf128 $1, %%ymm4, %%xmm0\n"
+      "vpcmpeqd 16(%[known]), %%xmm0, %%xmm0\n"
+      "vpmovmskb %%xmm0, %%ecx\n"
+      "and %%ecx, %%edx\n"
+      "cmp $0xffff, %%edx\n"
+      "je 3f\n"
+      "inc %[changed]\n"
+      "movdqa (%[known]), %%xmm3\n"
+      "movdqa (%[known]), %%xmm5\n"
+      "vmovdqa (%[known]), %%ymm4\n"
+      "3:\n"
+      "cmpl $0, (%[done])\n"
+      "je 1b\n"
+      : [changed] "+r"(changed), [n] "+r"(n)
+      : [known] "r"(known), [done] "r"(&forks_done)
+      : "rcx", "rdx", "xmm0", "xmm3", "xmm4", "xmm5", "memory", "cc");
+  *rounds = n;
+  return changed;
+}
+
+int main(int argc, char **argv) {
+  if (argc != 3) {
+    fprintf(stderr, "usage: vecfork FORKS PAUSE_US\n");
+    return 2;
+  }
+  forks = atoi(argv[1]);
+  pause_us = atoi(argv[2]);
+  __builtin_cpu_init();
+  pthread_t thread;
+  if (pthread_create(&thread, NULL, forker, NULL) != 0)
+    return 2;
+  long rounds, changed = __builtin_cpu_supports("avx") ? rounds_avx(&rounds) : rounds_sse(&rounds);
+  pthread_join(thread, NULL);
+  printf("%ld rounds, %ld saw them changed, %d children exited 0\n", rounds, changed,
+         children_ok);
+  return 0;
+}
