@@ -1868,6 +1868,30 @@ void bt_fork_mark(void) {
     t->fork_kept = t->fork_native = 1;
 }
 
+/* The word of Frida's loader's table of libc functions that holds pthread_create()
+   (stalker_agent.js: injectorGuarded), in the loader's mapping `words` (`size` bytes): the
+   context is the word at `libc_at` that points to a table inside the mapping whose word at
+   `slot_at` holds `created` or, in a forked child, the stub its parent put there (which
+   starts with the 8 bytes `guard_head` and keeps `created` a page on).  In C: the same scan
+   in JavaScript took long enough, in each vfork()ed child's agent, for the child to die in
+   Frida's code (Python's subprocess.run(), 3 runs of 3).  Returns the word, or NULL. */
+uint64_t *bt_find_loader_slot(uint64_t *words, uint64_t size, uint64_t libc_at, uint64_t slot_at,
+                              uint64_t created, uint64_t guard_head) {
+  uint64_t start = (uint64_t)words, end = start + size;
+  for (uint64_t at = 0; at + libc_at + 8 <= size; at += 8) {
+    uint64_t table = words[(at + libc_at) / 8];
+    if (table < start || table + slot_at + 8 > end || (table & 7) != 0)
+      continue;
+    uint64_t *slot = (uint64_t *)(table + slot_at), head = 0, real = 0;
+    if (*slot == created)
+      return slot;
+    if (read_safely((void *)*slot, &head, 8) && head == guard_head
+        && read_safely((void *)(*slot + 4096), &real, 8) && real == created)
+      return slot;
+  }
+  return NULL;
+}
+
 /* Frida's heap is dlmalloc with two mspaces, whose pointers are among the agent's static
    data, as its malloc_params are: found by their values (the magic word, a 4 KiB page, a
    64 KiB granularity, a 256 KiB mmap threshold, a 2 MiB trim threshold, default flags 7),

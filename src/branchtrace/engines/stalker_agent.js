@@ -1006,6 +1006,9 @@ function guardOf(target, created) {
     return false;
   }
 }
+const findSlot = new NativeFunction(cm.bt_find_loader_slot, 'pointer',
+  ['pointer', 'uint64', 'uint64', 'uint64', 'pointer', 'uint64']);
+const GUARD_HEAD = GUARD_START.reduceRight((word, b) => word.shl(8).or(b), uint64(0));
 function findLoaderSlot() {
   const created = libc('pthread_create');
   for (const line of File.readAllText('/proc/self/maps').split('\n')) {
@@ -1024,19 +1027,9 @@ function findLoaderSlot() {
     if (!LOADER_ENTRY.every((b, i) => b < 0 || code[i] === b)) {
       continue;
     }
-    const libcAt = code[23];
-    const slotAt = code[27];
-    // the context: the word at libcAt points to a table whose slot slotAt holds
-    // pthread_create(), both in this mapping
-    for (let at = 0; at + libcAt + 8 <= size; at += 8) {
-      const table = start.add(at + libcAt).readPointer();
-      if (table.compare(start) < 0 || table.add(slotAt + 8).compare(end) > 0) {
-        continue;
-      }
-      const target = table.add(slotAt).readPointer();
-      if (target.equals(created) || guardOf(target, created)) {
-        return table.add(slotAt);
-      }
+    const slot = findSlot(start, size, code[23], code[27], created, GUARD_HEAD);
+    if (!slot.isNull()) {
+      return slot;
     }
   }
   return null;
