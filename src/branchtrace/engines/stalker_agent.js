@@ -1036,8 +1036,6 @@ const injectorGuarded = (() => {
   if (!slot.readPointer().equals(libc('pthread_create'))) {
     return true; // the stub, in a forked child: its parent's
   }
-  const mmap = new NativeFunction(libc('mmap'), 'pointer',
-    ['pointer', 'size_t', 'int', 'int', 'int', 'int64']);
   const page = 4096; // the code, then: the real pthread_create(), its result, the state
   const stub = mmap(NULL, 2 * page, 3 /* RW */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
   if (stub.equals(ptr(-1))) {
