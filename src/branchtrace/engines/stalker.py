@@ -633,7 +633,7 @@ def _frozen(process: str, fate: str, traced: bool = True) -> str:
     return (
         f"{process} faulted inside Frida's recovery from a fork(), and Frida's injector holds "
         "it stopped there for good (a Frida bug, which Frida alone meets too; under "
-        f"--follow-fork about once in 100 to 400 forks of a program forking every 2 ms): {fate}; "
+        f"--follow-fork about once in 200 to 600 forks of a program forking every 2 ms): {fate}; "
         + ("the trace up to there is kept" if traced else "it was not traced")
     )
 

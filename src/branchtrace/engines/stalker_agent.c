@@ -272,6 +272,8 @@ typedef struct {
   uint64_t hooked_pages[BT_HOOKED_PAGES];
   int renewals_held;     /* bt_hold_renewals(): the recording ends, no context is renewed */
   int renewals_in_flight; /* threads inside renew_context() */
+  int main_forks_followed; /* the main thread's fork()s decline the stub (bt_fork_mark) */
+  int main_forks_pad;
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1628,7 +1630,8 @@ static void enter_fork(void) {
     wait_for_thread_starts();
 }
 
-void bt_fork_mark(void);
+int bt_fork_mark(void);
+static int declines_stub(void);
 
 /* In a forked child this script was loaded after Frida's fork() hook was in, so its entry
    listener runs after Frida's preparation for the fork(), too late for the turn: two of the
@@ -1637,18 +1640,21 @@ void bt_fork_mark(void);
    parent's fork stub, which calls this first, ahead of Frida's hook (the mark's slot,
    forkDoneLast in stalker_agent.js).  Its other fork()s (through a pointer) take no turn
    (BT_TURNS_AHEAD_ONLY): one taken after Frida's preparation could wait for a fork() that
-   waits in Frida's preparation for this one. */
-void bt_fork_first(void) {
+   waits in Frida's preparation for this one.  Returns as bt_fork_mark does. */
+int bt_fork_first(void) {
   BtThread *t = current_thread();
   if (t == NULL || in_forked_child())
-    return; /* the entry listener takes the turn */
+    return 1; /* the entry listener takes the turn */
   settle_held_signal(t);
+  if (g_atomic_int_add(&STATE->fork_turns, 0)) {
+    enter_fork();
+    t->fork_entered = 1;
+  }
+  if (declines_stub())
+    return 0;
   t->fork_kept = 1; /* as bt_fork_mark: the script left the stub's `inner` out too */
   t->fork_native = 1;
-  if (!g_atomic_int_add(&STATE->fork_turns, 0))
-    return;
-  enter_fork();
-  t->fork_entered = 1;
+  return 1;
 }
 
 void bt_on_fork_enter(GumInvocationContext *ic) {
@@ -1858,14 +1864,31 @@ extern int fork(void);
 /* The program's calls of fork() through its GOT go through the fork stub (forkStub in
    stalker_agent.js), which runs fork() natively as a call Stalker leaves out, so that the
    thread comes back to the code Stalker compiled for it before.  The stub marks the thread
-   first, for the fork() hook (bt_before_fork): it writes the GAP but does not unfollow it. */
-void bt_fork_mark(void) {
+   first, for the fork() hook (bt_before_fork): it writes the GAP but does not unfollow it.
+   Returns 0 where the stub is to call fork() followed instead, the hook's way (unfollowed
+   there, followed again after it): the main thread under --follow-fork (declines_stub). */
+int bt_fork_mark(void) {
   if (in_forked_child())
-    return;
+    return 1;
   BtThread *t = current_thread();
   settle_held_signal(t);
+  if (declines_stub())
+    return 0;
   if (t != NULL)
     t->fork_kept = t->fork_native = 1;
+  return 1;
+}
+
+/* Under child gating Frida's injector re-creates the agent's thread after each fork() on
+   the process's main thread, stopped wherever it is: in the parent, inside Frida's own
+   recovery from that fork() when the main thread forked.  Frida's heap was then found
+   corrupt (dlmalloc's free() faulting, docs/fork.md section 28) about 4 times as often
+   when that thread had come through the stub, followed in a call Stalker leaves out, as
+   when it was unfollowed for the fork() (section 30: forkloop, 17 of 22 recordings of 200
+   forks against 4 of 18).  Other threads keep the stub (section 20). */
+static int declines_stub(void) {
+  return STATE->main_forks_followed
+         && (uint32_t)raw_syscall3(186 /* gettid */, 0, 0, 0) == STATE->pid;
 }
 
 /* The word of Frida's loader's table of libc functions that holds pthread_create()

@@ -21,7 +21,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 1384); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 1392); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -51,6 +51,8 @@ state.add(8 + 8 * 4096 + 848).writePointer(NULL); // BtState.signal_lock: not fo
 // changed (leave_parents_trace in stalker_agent.c); nhooked_pages: none noted yet
 state.add(8 + 8 * 4096 + 856).writeS32(PARAMS.followFork ? 0 : 1);
 state.add(8 + 8 * 4096 + 860).writeS32(0);
+// BtState.main_forks_followed (declines_stub in stalker_agent.c)
+state.add(8 + 8 * 4096 + 1384).writeS32(PARAMS.followFork ? 1 : 0);
 
 // /proc/self/maps, or nothing without /proc: Frida's Cloak then answers for the agent's code
 // too, as it did for all code, and no heap lock is found (agentData)
@@ -496,6 +498,7 @@ const FORK_SLOT = 8;
 const NOOP_SLOT = 16; // the stub's `ret`, for a forked child's script (inheritedForkSlots)
 const MAGIC_SLOT = 24; // this page is the slots of a stub of ours
 const STUB_MAGIC = uint64('0x6275747326666f72');
+const DECLINED = -2; // `inner` did not fork (the mark said so): no pid fork() returns
 let forkStubNoop = NULL;
 if (forkStub !== null) {
   forkSlots.add(MARK_SLOT).writePointer(cm.bt_fork_mark);
@@ -511,16 +514,23 @@ if (forkStub !== null) {
   const inner = forkStub.add(64);
   w.putCallAddress(inner);
   const outerAfter = forkStub.add(w.offset);
+  w.putCmpRegI32('eax', DECLINED);
+  w.putJccShortLabel('jne', 'forked', 'no-hint');
+  callSlot(FORK_SLOT); // the mark declined: fork() called followed, the hook's way
+  w.putLabel('forked');
   w.putAddRegImm('rsp', 8);
   w.putRet();
   forkStubNoop = forkStub.add(w.offset);
   forkSlots.add(NOOP_SLOT).writePointer(forkStubNoop);
   forkSlots.add(MAGIC_SLOT).writeU64(STUB_MAGIC);
+  w.putMovRegU32('eax', 1); // a mark that keeps the thread followed
   w.putRet();
   w.flush();
   w.reset(inner);
   w.putPushReg('rbx');
   callSlot(MARK_SLOT);
+  w.putTestRegReg('eax', 'eax');
+  w.putJccShortLabel('je', 'declined', 'no-hint');
   callSlot(FORK_SLOT);
   w.putMovRegReg('ebx', 'eax');
   w.putTestRegReg('eax', 'eax');
@@ -529,6 +539,10 @@ if (forkStub !== null) {
   w.putMovRegOffsetPtrReg('rsp', 8, 'rax');
   w.putLabel('parent');
   w.putMovRegReg('eax', 'ebx');
+  w.putPopReg('rbx');
+  w.putRet();
+  w.putLabel('declined');
+  w.putMovRegU32('eax', DECLINED);
   w.putPopReg('rbx');
   w.putRet();
   w.flush();
