@@ -2525,9 +2525,10 @@ def test_a_forked_childs_session_frida_drops_is_reported_not_taken_for_its_end(
 
 @pytest.mark.parametrize("follow", [False, True], ids=["alone", "follow-fork"])
 def test_after_fork_the_parent_trace_goes_straight_back_to_its_caller(tmp_path, programs, follow):
-    # The parent is followed again inside fork()'s hook, before the listeners after ours
-    # (Frida's, with --follow-fork) have run: nothing they call may show in its trace.  A
-    # getpid() of ours there once read as the program's own call after every fork().
+    # The parent is followed again inside fork()'s hook: nothing the listeners call may show
+    # in its trace.  A getpid() of ours there once read as the program's own call after
+    # every fork(), and with --follow-fork, whose main thread now leaves Stalker across its
+    # fork()s, the turn's futex wake (syscall()) until it was followed again after them.
     rounds, forkloop = 5, programs["forkloop"]
     flags = ["--follow-fork"] if follow else []
     res = record(tmp_path / "d", *flags, "--", str(forkloop), str(rounds), "0")
