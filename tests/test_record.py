@@ -1653,7 +1653,7 @@ def test_under_follow_fork_only_the_main_threads_forks_leave_stalker(tmp_path, p
     # the main thread, stopped wherever it is: inside Frida's recovery when the main thread
     # forked.  Frida's heap was then found corrupt (the program killed) in 17 of 22
     # recordings of `forkloop 200 2000` with the main thread kept followed through the fork
-    # stub, in 17 of 40 with it let go across each fork() (docs/fork.md section 30).  So
+    # stub, in 13 of 28 with it let go across each fork() (docs/fork.md section 30).  So
     # under --follow-fork the stub sends the main thread the hook's way, and its loop is
     # compiled anew after every fork(); another thread's is not (vecfork's forker).
     def compiled(program, rounds):

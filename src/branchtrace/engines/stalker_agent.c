@@ -273,7 +273,6 @@ typedef struct {
   int renewals_held;     /* bt_hold_renewals(): the recording ends, no context is renewed */
   int renewals_in_flight; /* threads inside renew_context() */
   int main_forks_followed; /* the main thread's fork()s decline the stub (bt_fork_mark) */
-  int main_forks_pad;
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1890,7 +1889,7 @@ int bt_fork_mark(void) {
    recovery from that fork() when the main thread forked.  Frida's heap was then found
    corrupt (dlmalloc's free() faulting, docs/fork.md section 28) in 17 of 22 recordings of
    forkloop's 200 forks when that thread had come through the stub, followed in a call
-   Stalker leaves out, and in 17 of 40 with it unfollowed for each fork() (section 30).
+   Stalker leaves out, and in 13 of 28 with it unfollowed for each fork() (section 30).
    Other threads keep the stub (section 20). */
 static int declines_stub(void) {
   return STATE->main_forks_followed
