@@ -2524,21 +2524,30 @@ def test_a_forked_childs_session_frida_drops_is_reported_not_taken_for_its_end(
 
 
 @pytest.mark.parametrize("follow", [False, True], ids=["alone", "follow-fork"])
-def test_after_fork_the_parent_trace_goes_straight_back_to_its_caller(tmp_path, programs, follow):
+@pytest.mark.parametrize("how", ["got", "pointer", "thread"])
+def test_after_fork_the_parent_trace_goes_straight_back_to_its_caller(
+    tmp_path, programs, follow, how
+):
     # The parent is followed again inside fork()'s hook: nothing the listeners call may show
     # in its trace.  A getpid() of ours there once read as the program's own call after
-    # every fork(), and with --follow-fork, whose main thread now leaves Stalker across its
-    # fork()s, the turn's futex wake (syscall()) until it was followed again after them.
-    rounds, forkloop = 5, programs["forkloop"]
+    # every fork(); with --follow-fork, a thread let go of for its fork() (through a pointer,
+    # or the main thread, which declines the fork stub) was followed again before the last
+    # listener ran, and its futex wake (syscall()) read so (forkmem thread: 4 forks of 4).
+    rounds = 5
     flags = ["--follow-fork"] if follow else []
-    res = record(tmp_path / "d", *flags, "--", str(forkloop), str(rounds), "0")
-    assert res.returncode == 0 and res.stdout.split()[-1] == str(rounds), res.stderr
+    res = record(tmp_path / "d", *flags, "--", str(programs["forkmem"]), str(rounds), "1", how)
+    assert res.returncode == 0, res.stderr
     t = branchtrace.open(tmp_path / "d")
-    parent = t.meta["pid"]
-    history = t.calls(parent)
+    (forker,) = [
+        int(label)
+        for label, thread in t.meta["threads"].items()
+        if thread["pid"] == t.meta["pid"] and thread["gaps"] == {"fork": rounds}
+    ]
+    assert (forker == t.meta["pid"]) == (how != "thread")
+    history = t.calls(forker)
     names = [history.function_name(f) for f in history.segments["function"]]
     after_fork = [names[i + 1] for i, name in enumerate(names[:-1]) if name in FORK_NAMES]
-    assert after_fork == ["main"] * rounds, names
+    assert after_fork == ["forks"] * rounds, names
 
 
 @pytest.mark.parametrize("follow_fork", [True, False], ids=["follow-fork", "no-follow-fork"])

@@ -1728,29 +1728,27 @@ static void drop_inherited_contexts(uint32_t forking_thread) {
   release_glib_mutex(stalker_mutex(), 0);
 }
 
+/* The child's side; the parent's thread is followed again in bt_on_fork_done. */
 void bt_on_fork_leave(GumInvocationContext *ic) {
-  if ((gssize)gum_invocation_context_get_return_value(ic) == 0) {
-    /* the child's fork() calls go on through its copy of the fork stub, which must not call
-       into this module: Frida may unload the child's copy of it.  Only if the mark is still
-       ours: in a forked child's script this listener comes after Frida's, which holds the
-       new child while the host loads its own script, which points the mark at its own
-       bt_fork_first (docs/fork.md section 20) */
-    uint64_t *mark = STATE->fork_mark_slot;
-    if (mark != NULL && (*mark == (uint64_t)bt_fork_mark || *mark == (uint64_t)bt_fork_first))
-      *mark = STATE->fork_noop;
-    for (int i = 0; i < STATE->nthreads; i++)
-      if (STATE->threads[i] != NULL)
-        bt_thread_forget(STATE->threads[i]);
-    bt_release_faults(); /* Frida frees this code in the child */
-    disarm_inherited_altstack();
-    leave_parents_trace(STATE->unhook_children);
-    drop_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
-    if (STATE->unhook_children)
-      restore_program_fault_handlers();
+  if ((gssize)gum_invocation_context_get_return_value(ic) != 0)
     return;
-  }
-  if (!in_forked_child() && !declines_stub())
-    bt_after_fork();
+  /* the child's fork() calls go on through its copy of the fork stub, which must not call
+     into this module: Frida may unload the child's copy of it.  Only if the mark is still
+     ours: in a forked child's script this listener comes after Frida's, which holds the
+     new child while the host loads its own script, which points the mark at its own
+     bt_fork_first (docs/fork.md section 20) */
+  uint64_t *mark = STATE->fork_mark_slot;
+  if (mark != NULL && (*mark == (uint64_t)bt_fork_mark || *mark == (uint64_t)bt_fork_first))
+    *mark = STATE->fork_noop;
+  for (int i = 0; i < STATE->nthreads; i++)
+    if (STATE->threads[i] != NULL)
+      bt_thread_forget(STATE->threads[i]);
+  bt_release_faults(); /* Frida frees this code in the child */
+  disarm_inherited_altstack();
+  leave_parents_trace(STATE->unhook_children);
+  drop_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
+  if (STATE->unhook_children)
+    restore_program_fault_handlers();
 }
 
 /* The end of a fork() for the host's count (forks_in_flight), in a listener of its own
@@ -1760,9 +1758,9 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
    that restarts the agent's thread.  A message to the agent in the middle of that recovery
    breaks it (the program hangs, then dies in Frida's code), so the host must count a fork()
    as under way until Frida is done with it: stalker_agent.js moves this listener behind
-   Frida's (forkDoneLast).  The thread is followed again by now, so nothing here may call
-   into a library (in_forked_child() calls getpid(), which the trace would show the
-   program calling).  In the traced process every fork() was counted at its entry, so the
+   Frida's (forkDoneLast).  A thread let go of for the fork() is followed again only at its
+   end (below); one that stayed followed (the fork stub) runs it natively, in a call Stalker
+   leaves out.  In the traced process every fork() was counted at its entry, so the
    count is above 0 here; what a forked child does to its copy of it does not matter.  The
    next fork() may go to Frida's hook from here (take_fork_turn). */
 void bt_on_fork_done(GumInvocationContext *ic) {
@@ -1775,11 +1773,11 @@ void bt_on_fork_done(GumInvocationContext *ic) {
   }
   if (g_atomic_int_add(&STATE->forks_in_flight, 0) > 0)
     g_atomic_int_add(&STATE->forks_in_flight, -1);
-  /* the main thread that declined the fork stub, let go of for the fork(), is followed
-     again only here, at the end: followed again in bt_on_fork_leave, it ran this listener
-     followed, whose futex wake for the turn (syscall()) read as the program's call after
-     each fork() */
-  if (declines_stub())
+  /* a thread let go of for the fork() (bt_before_fork) is followed again only here, at the
+     end: followed again in bt_on_fork_leave, it ran this listener followed, whose futex
+     wake (take_one: syscall()) read as the program's call after each fork() under
+     --follow-fork.  Not followed now, it may call into a library (in_forked_child()). */
+  if (!in_forked_child())
     bt_after_fork();
 }
 
