@@ -1775,8 +1775,9 @@ void bt_on_fork_done(GumInvocationContext *ic) {
     g_atomic_int_add(&STATE->forks_in_flight, -1);
   /* a thread let go of for the fork() (bt_before_fork) is followed again only here, at the
      end: followed again in bt_on_fork_leave, it ran this listener followed, whose futex
-     wake (take_one: syscall()) read as the program's call after each fork() under
-     --follow-fork.  Not followed now, it may call into a library (in_forked_child()). */
+     wake (take_one: syscall()) read as the program's call after each fork(), with or
+     without --follow-fork.  Not followed now, it may call into a library
+     (in_forked_child()). */
   if (!in_forked_child())
     bt_after_fork();
 }
