@@ -272,7 +272,6 @@ typedef struct {
   uint64_t hooked_pages[BT_HOOKED_PAGES];
   int renewals_held;     /* bt_hold_renewals(): the recording ends, no context is renewed */
   int renewals_in_flight; /* threads inside renew_context() */
-  int main_forks_followed; /* the main thread's fork()s decline the stub (bt_fork_mark) */
 } BtState;
 
 extern uint8_t bt_state[];
@@ -1891,7 +1890,7 @@ int bt_fork_mark(void) {
    Stalker leaves out, and in 13 of 28 with it unfollowed for each fork() (section 30).
    Other threads keep the stub (section 20). */
 static int declines_stub(void) {
-  return STATE->main_forks_followed
+  return !STATE->unhook_children /* set from --follow-fork, as children are followed */
          && (uint32_t)raw_syscall3(186 /* gettid */, 0, 0, 0) == STATE->pid;
 }
 

@@ -21,7 +21,7 @@ function attach(target, callbacks) {
 // hook that starts tracing at main, are not the program's and get no record.
 const isFridaCode = new NativeCallback((address) => (Cloak.hasRangeContaining(address) ? 1 : 0),
   'int', ['pointer']);
-const state = Memory.alloc(8 + 8 * 4096 + 1392); // BtState in stalker_agent.c
+const state = Memory.alloc(8 + 8 * 4096 + 1384); // BtState in stalker_agent.c
 state.writeU32(Process.id);
 state.add(4).writeS32(0); // no threads yet (Memory.alloc does not promise zeroed memory)
 state.add(8 + 8 * 4096).writeU64(0); // the inline cache is not widened yet
@@ -48,11 +48,10 @@ state.add(8 + 8 * 4096 + 832).writePointer(NULL);
 state.add(8 + 8 * 4096 + 840).writeU64(0); // nobody holds them (heap_locked_by)
 state.add(8 + 8 * 4096 + 848).writePointer(NULL); // BtState.signal_lock: not found yet
 // BtState.unhook_children: a forked child that is not followed puts back the code the hooks
-// changed (leave_parents_trace in stalker_agent.c); nhooked_pages: none noted yet
+// changed (leave_parents_trace in stalker_agent.c); 0 under --follow-fork, which
+// declines_stub reads too; nhooked_pages: none noted yet
 state.add(8 + 8 * 4096 + 856).writeS32(PARAMS.followFork ? 0 : 1);
 state.add(8 + 8 * 4096 + 860).writeS32(0);
-// BtState.main_forks_followed (declines_stub in stalker_agent.c)
-state.add(8 + 8 * 4096 + 1384).writeS32(PARAMS.followFork ? 1 : 0);
 
 // /proc/self/maps, or nothing without /proc: Frida's Cloak then answers for the agent's code
 // too, as it did for all code, and no heap lock is found (agentData)
