@@ -19,7 +19,12 @@ from branchtrace.analysis.kernels import (
     BREAK_NONE,
     BREAK_SIGRETURN,
     BREAK_SIGRETURN_INTERRUPT,
+    HOW_JUMP,
+    HOW_RETURN,
+    HOW_SIGNAL,
+    HOW_START,
     block_bounds,
+    call_segments,
     scan_blocks,
 )
 from branchtrace.analysis.trace import faults_in, thread_end
@@ -65,31 +70,44 @@ def dense_breaks(n: int, at: np.ndarray, kind: np.ndarray, lo: int = 0) -> np.nd
     return out
 
 
-def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int], Counter]:
-    """Block words, the break before each, and its detail (INTERRUPT: the resume address,
-    GAP: the reason, LOST: the records lost since the last block), the slow way; one more
-    break and detail than blocks: after the last block.  And the untraced signal handler
-    runs, by the number of blocks before them."""
-    words, breaks, details = [], [], []
+DELIVERIES = (
+    BREAK_INTERRUPT,
+    BREAK_SIGRETURN_INTERRUPT,
+    BREAK_INTERRUPT_AT_START,
+    BREAK_INTERRUPT_INSIDE,
+)
+
+
+def reference(recs: list[tuple]) -> tuple[list[int], list[tuple[int, int, int]], Counter]:
+    """Block words, and the breaks (before which block, kind, detail: INTERRUPT: the
+    resume address, GAP: the reason, LOST: the records lost since the last block), the
+    slow way; a break may come after the last block, and a signal that came at the first
+    instruction of the handler just entered is a second delivery before the same block.
+    And the untraced signal handler runs, by the number of blocks before them."""
+    words: list[int] = []
+    breaks: list[tuple[int, int, int]] = []
     handlers: Counter = Counter()
+    chained: list[tuple[int, int]] = []  # deliveries before the pending one
     pending, detail = BREAK_NONE, 0
     for rtype, arg, *payload in recs:
         if rtype == RecordType.GAP and arg == GapReason.SIGNAL:
             handlers[len(words)] += 1  # inside a block: the thread resumes where it was
             continue
         if rtype == RecordType.BLOCK:
+            if pending != BREAK_NONE:
+                breaks += [(len(words), k, d) for k, d in [*chained, (pending, detail)]]
             words.append(payload[0] | (arg << 47))
-            breaks.append(pending)
-            details.append(detail if pending != BREAK_NONE else 0)
-            pending = BREAK_NONE
+            chained, pending = [], BREAK_NONE
         elif rtype == RecordType.LOST:
             detail = (detail if pending == BREAK_LOST else 0) + payload[0]
-            pending = BREAK_LOST
+            chained, pending = [], BREAK_LOST
         elif rtype == RecordType.GAP and pending != BREAK_LOST:
-            pending, detail = BREAK_GAP, arg
+            chained, pending, detail = [], BREAK_GAP, arg
         elif rtype == RecordType.BRANCH and arg == BranchKind.SYSCALL:
-            pending, detail = BREAK_SIGRETURN, payload[0]
+            chained, pending, detail = [], BREAK_SIGRETURN, payload[0]
         elif rtype == RecordType.BRANCH:
+            if pending in DELIVERIES:
+                chained.append((pending, detail))
             if pending == BREAK_SIGRETURN:
                 pending = BREAK_SIGRETURN_INTERRUPT
             elif arg & INTERRUPT_AT_START:
@@ -99,9 +117,9 @@ def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int], Count
             else:
                 pending = BREAK_INTERRUPT
             detail = payload[0]
-    breaks.append(pending)  # after the last block
-    details.append(detail if pending != BREAK_NONE else 0)
-    return words, breaks, details, handlers
+    if pending != BREAK_NONE:  # after the last block
+        breaks += [(len(words), k, d) for k, d in [*chained, (pending, detail)]]
+    return words, breaks, handlers
 
 
 @settings(max_examples=300, deadline=None)
@@ -109,12 +127,10 @@ def reference(recs: list[tuple]) -> tuple[list[int], list[int], list[int], Count
 def test_scan_blocks_agrees_with_the_reference_parser(recs):
     words = np.array([w for r in recs for w in record_words(*r)], dtype=np.uint64)
     ids, at, why, detail, unique, handler_at, handler_times = scan_blocks(words)
-    want_words, want_breaks, want_details, want_handlers = reference(recs)
+    want_words, want_breaks, want_handlers = reference(recs)
     assert unique[ids].tolist() == want_words
-    breaks = dense_breaks(ids.size + 1, at, why)
-    assert breaks.tolist() == want_breaks
-    assert at.tolist() == np.flatnonzero(breaks).tolist()  # sparse: only real breaks
-    assert detail.tolist() == np.array(want_details, np.uint64)[at].tolist()
+    got = list(zip(at.tolist(), why.tolist(), detail.tolist(), strict=True))
+    assert got == [(m, k, d % (1 << 64)) for m, k, d in want_breaks]
     assert len(set(unique.tolist())) == unique.size  # each distinct block interned once
     assert dict(zip(handler_at.tolist(), handler_times.tolist(), strict=True)) == want_handlers
     assert handler_at.tolist() == sorted(want_handlers)  # once per place, oldest first
@@ -138,29 +154,99 @@ def test_untraced_handler_runs_are_counted_by_place_however_many_places():
     assert found.handler_times.tolist() == [1] * 5 + [2] + [1] * 34
 
 
+def test_a_signal_at_the_entry_of_the_handler_just_entered_is_a_second_delivery():
+    # the records of a twosignals thread (session 67; 5 runs of 55 of a 1M-round build
+    # had one): SIGALRM came after libc's rt_sigprocmask() that unblocked it, inside the
+    # block at 0x7e63, and SIGUSR1 at its handler's first instruction, before a block of
+    # the handler ran; each handler returned through the restorer's rt_sigreturn to where
+    # its signal came.  Read as one delivery, the second, the block's jne looked taken
+    # into the handler.
+    on_signal, restorer, after_mask = 0x51C8, 0x3050, 0x7E7A
+    interrupt = int(BranchKind.INTERRUPT)
+    recs = [
+        (RecordType.BLOCK, 0x27, 0x7E63),  # its syscall at 0x7e78, its jne at 0x7e8a
+        (RecordType.BRANCH, interrupt | INTERRUPT_INSIDE, after_mask, on_signal),
+        (RecordType.BRANCH, interrupt | INTERRUPT_AT_START, on_signal, on_signal),
+        (RecordType.BLOCK, 0x14, on_signal),  # its ret at 0x51dc
+        (RecordType.BLOCK, 7, restorer),  # its syscall at 0x3057
+        (RecordType.BRANCH, int(BranchKind.SYSCALL), restorer + 7, on_signal),
+        (RecordType.BLOCK, 0x14, on_signal),
+        (RecordType.BLOCK, 7, restorer),
+        (RecordType.BRANCH, int(BranchKind.SYSCALL), restorer + 7, after_mask),
+        (RecordType.BLOCK, 0x10, after_mask),
+    ]
+    words = np.array([w for r in recs for w in record_words(*r)], dtype=np.uint64)
+    found = scan_blocks(words)
+    start, last = block_bounds(found.unique)
+    func = {0x7E63: 0, after_mask: 0, on_signal: 1, restorer: 2}
+    last_insn = [
+        (BranchKind.CONDITIONAL, 6),
+        (BranchKind.RETURN, 1),
+        (BranchKind.SYSCALL, 2),
+    ]
+    b = Blocks(
+        found.ids,
+        found.break_at,
+        found.break_kind,
+        found.break_detail,
+        start,
+        last,
+        np.array([last_insn[func[x]][0] for x in start.tolist()], np.uint8),
+        np.array([last_insn[func[x]][1] for x in start.tolist()], np.uint64),
+    )
+    got = [(f, t, k) for f, t, k, _ in branches_of(b).tolist()]
+    assert got == [
+        (after_mask, on_signal, BranchKind.INTERRUPT),  # the jne had not run yet
+        (on_signal, on_signal, BranchKind.INTERRUPT),
+        (on_signal + 0x14, restorer, BranchKind.RETURN),
+        (restorer + 7, on_signal, BranchKind.SYSCALL),
+        (on_signal + 0x14, restorer, BranchKind.RETURN),
+        (restorer + 7, after_mask, BranchKind.SYSCALL),
+    ]
+    segments = call_segments(
+        *b.kernel_args(),
+        np.array([func[x] for x in start.tolist()], np.int64),
+        np.array([0x7E00, on_signal, restorer], np.uint64),
+    )
+    assert [tuple(x.tolist()) for x in segments] == [
+        (0, 1, 2, 3, 4, 5),  # first block
+        (0, 2, 2, 1, 1, 0),  # depth: both handlers' frames, then one returns at a time
+        (0, 1, 2, 1, 2, 0),  # function
+        (HOW_START, HOW_SIGNAL, HOW_JUMP, HOW_RETURN, HOW_JUMP, HOW_RETURN),
+    ]
+
+
 def reference_branches(b: Blocks) -> list[tuple[int, int, int, int]]:
     """decode.branches_of, one block pair at a time."""
-    reasons = zip(b.break_kind.tolist(), b.break_detail.tolist(), strict=True)
-    breaks = dict(zip(b.break_at.tolist(), reasons, strict=True))
+    breaks: dict[int, list[tuple[int, int]]] = {}
+    for m, why, x in zip(
+        b.break_at.tolist(), b.break_kind.tolist(), b.break_detail.tolist(), strict=True
+    ):
+        breaks.setdefault(m, []).append((why, x))
     out = []
     for i in range(b.ids.size - 1):
         a, n = int(b.ids[i]), int(b.ids[i + 1])
         src, dst, kind = int(b.last[a]), int(b.start[n]), int(b.kind[a])
-        if i + 1 in breaks:
-            why, x = breaks[i + 1]
-            if why == BREAK_SIGRETURN:
-                out.append((x, dst, BranchKind.SYSCALL, i + 1))
-            elif why == BREAK_SIGRETURN_INTERRUPT:
-                out.append((src + int(b.size[a]), x, BranchKind.SYSCALL, i + 1))
-                out.append((x, dst, BranchKind.INTERRUPT, i + 1))
-            elif why in (BREAK_INTERRUPT, BREAK_INTERRUPT_AT_START, BREAK_INTERRUPT_INSIDE):
-                # block a took its branch before the signal came: at x, where it went
-                inside = int(b.start[a]) < x <= src or x == src + int(b.size[a])
-                if why == BREAK_INTERRUPT_AT_START or (why == BREAK_INTERRUPT and not inside):
-                    out += transfer(src, x, kind, int(b.size[a]), i + 1)
-                out.append((x, dst, BranchKind.INTERRUPT, i + 1))
+        if i + 1 not in breaks:
+            out += transfer(src, dst, kind, int(b.size[a]), i + 1)
             continue
-        out += transfer(src, dst, kind, int(b.size[a]), i + 1)
+        (why, x), *chained = breaks[i + 1]
+        # each handler entered goes to where the next signal came, the last to block n
+        to = chained[0][1] if chained else dst
+        if why == BREAK_SIGRETURN:
+            out.append((x, dst, BranchKind.SYSCALL, i + 1))
+        elif why == BREAK_SIGRETURN_INTERRUPT:
+            out.append((src + int(b.size[a]), x, BranchKind.SYSCALL, i + 1))
+            out.append((x, to, BranchKind.INTERRUPT, i + 1))
+        elif why in (BREAK_INTERRUPT, BREAK_INTERRUPT_AT_START, BREAK_INTERRUPT_INSIDE):
+            # block a took its branch before the signal came: at x, where it went
+            inside = int(b.start[a]) < x <= src or x == src + int(b.size[a])
+            if why == BREAK_INTERRUPT_AT_START or (why == BREAK_INTERRUPT and not inside):
+                out += transfer(src, x, kind, int(b.size[a]), i + 1)
+            out.append((x, to, BranchKind.INTERRUPT, i + 1))
+        for k, (_, y) in enumerate(chained):
+            to = chained[k + 1][1] if k + 1 < len(chained) else dst
+            out.append((y, to, BranchKind.INTERRUPT, i + 1))
     return out
 
 
@@ -219,6 +305,13 @@ def test_branches_of_agrees_with_a_pairwise_reference(blocks_spec, rnd):
         np.int64,
     )
     why = np.array(break_kinds[: at.size], np.uint8)
+    # a delivery may have signals chained after it, that came at its handler's entry
+    chained = [rnd.choice((0, 0, 1, 2)) if w in DELIVERIES else 0 for w in why.tolist()]
+    at = np.repeat(at, [1 + c for c in chained])
+    why = np.concatenate(
+        [[w, *rnd.choices(DELIVERIES, k=c)] for w, c in zip(why.tolist(), chained, strict=True)]
+        or [[]]
+    ).astype(np.uint8)
     start = np.array(starts, np.uint64)
     b = Blocks(
         ids=ids,

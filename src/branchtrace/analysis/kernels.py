@@ -90,6 +90,15 @@ def _table(unique, k, bits):  # type: ignore[no-untyped-def]
     return keys, vals
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def _unchained(break_at, nbreaks, m):  # type: ignore[no-untyped-def]
+    """nbreaks without the signal deliveries chained before block m (_scan_part): a
+    record that overrides the pending delivery (lost records, a gap) overrides them too."""
+    while nbreaks > 0 and break_at[nbreaks - 1] == m:
+        nbreaks -= 1
+    return nbreaks
+
+
 @nb.njit(cache=True, nogil=True)
 def _scan_part(
     words,
@@ -120,6 +129,7 @@ def _scan_part(
             t = (w >> np.uint64(TYPE_SHIFT)) & np.uint64(TYPE_MASK)
             length = np.int64((w >> np.uint64(LEN_SHIFT)) & np.uint64(LEN_MASK))
             if t == _LOST or t == _FAR:  # noqa: SIM109 (numba: no tuple of globals)
+                nbreaks = _unchained(break_at, nbreaks, m)
                 if pending != BREAK_LOST:
                     pending_detail = np.uint64(0)
                 pending = BREAK_LOST
@@ -141,10 +151,22 @@ def _scan_part(
                     nhandlers += 1
             elif t == _GAP:  # any other gap breaks the chain
                 if pending != BREAK_LOST:
+                    nbreaks = _unchained(break_at, nbreaks, m)
                     pending = BREAK_GAP
                     pending_detail = w & np.uint64(0xFF)
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _INTERRUPT and i + 1 < n:
                 where = (w >> np.uint64(8)) & np.uint64(3)
+                if pending == BREAK_INTERRUPT or pending >= BREAK_SIGRETURN_INTERRUPT:
+                    # another signal came at the first instruction of the handler just
+                    # entered, before a block of it ran: both deliveries stay, in order,
+                    # breaks before the same block
+                    if nbreaks == break_at.size:
+                        why = _FULL_BREAKS
+                        break
+                    break_at[nbreaks] = m
+                    break_kind[nbreaks] = pending
+                    break_detail[nbreaks] = pending_detail
+                    nbreaks += 1
                 if pending == BREAK_SIGRETURN:
                     # one pending while a handler ran is delivered as it returns
                     pending = BREAK_SIGRETURN_INTERRUPT
@@ -157,6 +179,7 @@ def _scan_part(
                 pending_detail = words[i + 1]
             elif t == _BRANCH and (w & np.uint64(0xFF)) == _SYSCALL_KIND and i + 1 < n:
                 # the stalker engine's way back from a handler it traced: rt_sigreturn
+                nbreaks = _unchained(break_at, nbreaks, m)
                 pending = BREAK_SIGRETURN
                 pending_detail = words[i + 1]
             i += 1 + length
@@ -206,8 +229,11 @@ class Scan(NamedTuple):
     are sparse: the chain is broken right before block break_at[j] (len(ids): after the
     last block), for the reason break_kind[j]; break_detail[j] is, for an INTERRUPT, where
     the interrupted code would have continued, for a GAP its GapReason, and for LOST how
-    many records were lost.  A signal handler that ran untraced (a GAP of reason signal)
-    breaks nothing: it ran inside block handler_at[j] - 1, handler_times[j] times."""
+    many records were lost.  Signals delivered one at the entry of the handler of the
+    one before, before a block of it ran, are as many INTERRUPT breaks before the same
+    block, in order (break_at ascending, not strictly).  A signal handler that ran
+    untraced (a GAP of reason signal) breaks nothing: it ran inside block
+    handler_at[j] - 1, handler_times[j] times."""
 
     ids: np.ndarray  #: int32
     break_at: np.ndarray  #: int64
@@ -319,31 +345,49 @@ def branch_part(
         while j < nbrk and break_at[j] < i + 1:
             j += 1
         if j < nbrk and break_at[j] == i + 1:
-            x = break_detail[j]
-            brk = break_kind[j]
-            if brk == BREAK_SIGRETURN_INTERRUPT:
-                restorer_syscall = src + np.uint64(size[a])
-                c = _put(
-                    out_from, out_to, out_kind, out_block, c, restorer_syscall, x, _SYSCALL, i + 1
-                )
-                c = _put(
-                    out_from, out_to, out_kind, out_block, c, x, start[b], _INTERRUPT_KIND, i + 1
-                )
-            elif brk == BREAK_INTERRUPT or brk >= BREAK_INTERRUPT_AT_START:
-                # a signal that came after block a's own branch (at the first instruction of
-                # the block it went to): that branch was taken first
-                if brk == BREAK_INTERRUPT:
-                    taken = not (start[a] < x <= src) and x != src + np.uint64(size[a])
-                else:
-                    taken = brk == BREAK_INTERRUPT_AT_START
-                k = _transfer_kind(src, x, kind[a], np.uint64(size[a]), hook_reach)
-                if taken and k != 0:
-                    c = _put(out_from, out_to, out_kind, out_block, c, src, x, k, i + 1)
-                c = _put(
-                    out_from, out_to, out_kind, out_block, c, x, start[b], _INTERRUPT_KIND, i + 1
-                )
-            elif brk == BREAK_SIGRETURN:  # the way back from a traced handler
-                c = _put(out_from, out_to, out_kind, out_block, c, x, start[b], _SYSCALL, i + 1)
+            first = j
+            while j < nbrk and break_at[j] == i + 1:
+                x = break_detail[j]
+                brk = break_kind[j]
+                # a handler entered goes to block b, or to where the next signal came: its
+                # first instruction, before any block of it ran
+                to = break_detail[j + 1] if j + 1 < nbrk and break_at[j + 1] == i + 1 else start[b]
+                j += 1
+                if j - 1 > first:
+                    c = _put(
+                        out_from, out_to, out_kind, out_block, c, x, to, _INTERRUPT_KIND, i + 1
+                    )
+                elif brk == BREAK_SIGRETURN_INTERRUPT:
+                    restorer_syscall = src + np.uint64(size[a])
+                    c = _put(
+                        out_from,
+                        out_to,
+                        out_kind,
+                        out_block,
+                        c,
+                        restorer_syscall,
+                        x,
+                        _SYSCALL,
+                        i + 1,
+                    )
+                    c = _put(
+                        out_from, out_to, out_kind, out_block, c, x, to, _INTERRUPT_KIND, i + 1
+                    )
+                elif brk == BREAK_INTERRUPT or brk >= BREAK_INTERRUPT_AT_START:
+                    # a signal that came after block a's own branch (at the first instruction
+                    # of the block it went to): that branch was taken first
+                    if brk == BREAK_INTERRUPT:
+                        taken = not (start[a] < x <= src) and x != src + np.uint64(size[a])
+                    else:
+                        taken = brk == BREAK_INTERRUPT_AT_START
+                    k = _transfer_kind(src, x, kind[a], np.uint64(size[a]), hook_reach)
+                    if taken and k != 0:
+                        c = _put(out_from, out_to, out_kind, out_block, c, src, x, k, i + 1)
+                    c = _put(
+                        out_from, out_to, out_kind, out_block, c, x, to, _INTERRUPT_KIND, i + 1
+                    )
+                elif brk == BREAK_SIGRETURN:  # the way back from a traced handler
+                    c = _put(out_from, out_to, out_kind, out_block, c, x, start[b], _SYSCALL, i + 1)
             continue
         k = _transfer_kind(src, start[b], kind[a], np.uint64(size[a]), hook_reach)
         if k != 0:
@@ -390,7 +434,13 @@ def _calls_part(
         if s == seg_block.size:
             why = _FULL_OUTPUT
             break
-        if sp + 2 > ret.size:  # a signal right after a call pushes two frames
+        while j_break < nb_breaks and break_at[j_break] < i + 1:
+            j_break += 1
+        chained = j_break + 1  # signals that came at the handler entered before
+        while chained < nb_breaks and break_at[chained] == i + 1:
+            chained += 1
+        # a signal right after a call pushes two frames, and one more per chained signal
+        if sp + 1 + chained - j_break > ret.size:
             why = _FULL_STACK
             break
         b = ids[i]
@@ -400,8 +450,6 @@ def _calls_part(
         how = -1
         brk = 0
         resume = np.uint64(0)
-        while j_break < nb_breaks and break_at[j_break] < i + 1:
-            j_break += 1
         if j_break < nb_breaks and break_at[j_break] == i + 1:
             brk = break_kind[j_break]
             resume = break_detail[j_break]
@@ -434,6 +482,11 @@ def _calls_part(
             caller[sp] = _SIGNAL_FRAME
             sp += 1
             depth += 1
+            for j in range(j_break + 1, chained):  # each returns to the handler before
+                ret[sp] = break_detail[j]
+                caller[sp] = _SIGNAL_FRAME
+                sp += 1
+                depth += 1
             how = HOW_SIGNAL
         elif brk != BREAK_NONE:
             # a traced handler's rt_sigreturn, back to where the signal came; or untraced
