@@ -45,6 +45,7 @@ FIXTURES = {
     "longjmp": ((), "45"),
     "signal": ((), "30"),
     "sighandlers": ((), "31111 pc-in-libc 3 own-handlers"),
+    "atonce": (("20",), "20 40"),
     "threads_small": ((), "67"),
     "crash": ((), None),
     "exceptions": ((), "27"),

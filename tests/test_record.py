@@ -3572,6 +3572,40 @@ def test_timer_signals_over_libc_and_program_code_keep_the_trace_exact(tmp_path,
     assert sum("index" in r for r in rows) == window  # not a row of the branches' count
 
 
+def test_the_second_of_two_signals_delivered_at_once_runs_its_handler_traced(tmp_path, programs):
+    """SIGUSR1 and SIGUSR2 unblocked together: the kernel sets up SIGUSR2's frame on top of
+    SIGUSR1's, at the signal stub's entry, where no handler can be followed.  It is held
+    (hold_signal) and goes in at the first record of SIGUSR1's handler, which runs traced
+    from the copy: so SIGUSR2's runs traced too, before SIGUSR1's body, as natively.  It
+    ran natively before (a GAP each round: 1,000 of 2,000 handler runs)."""
+    exe = programs["atonce"]
+    rounds = 1000
+    native = subprocess.run([exe, str(rounds)], capture_output=True, text=True, check=True)
+    assert native.stdout.split() == [str(rounds), str(2 * rounds)]  # SIGUSR2's ran first
+    res = record(tmp_path / "d", "--", str(exe), str(rounds))
+    assert res.returncode == 0 and res.stdout == native.stdout, res.stderr
+    assert "untraced" not in res.stderr, res.stderr
+    trace = TraceDir.open(tmp_path / "d")
+    assert_counts_are_the_records(trace)
+    (tid,) = trace.threads()
+    recs = parse_words(*trace.words(tid))
+    gaps = (recs["type"] == RecordType.GAP) & (recs["arg"] == GapReason.SIGNAL)
+    assert int(gaps.sum()) == 0 and int(signal_deliveries(recs).sum()) == 2 * rounds
+    assert trace.meta()["threads"][str(tid)]["signals"].get("held", 0) == rounds
+    opened = branchtrace.open(trace.path)
+    problems, checked = discontinuities(opened, tid)
+    assert checked > 50 and not problems, problems[:5]
+    # each round: SIGUSR1's handler entered after the rt_sigprocmask() that unblocked both,
+    # SIGUSR2's at its first instruction; each returns to where its signal came
+    b = opened.branches(tid)
+    usr1, usr2 = (modules(trace, tid).runtime_address(exe.name, f) for f in ("on_usr1", "on_usr2"))
+    entered = b[(b["kind"] == BranchKind.INTERRUPT) & np.isin(b["to"], [usr1, usr2])]
+    assert entered["to"].tolist() == [usr1, usr2] * rounds
+    assert (entered["from"][1::2] == usr1).all()
+    back = b[(b["kind"] == BranchKind.SYSCALL) & (b["to"] == usr1)]
+    assert back.size == rounds  # SIGUSR2's handler returns to SIGUSR1's first instruction
+
+
 def test_two_signals_delivered_at_once_leave_every_threads_trace_exact(tmp_path, programs):
     """The kernel delivers two pending signals together, the second one's handler entered
     first, at the first one's: the record sequence the first one interrupted is finished

@@ -152,6 +152,8 @@ typedef struct {
   uint64_t trap_uc;
   uint8_t held_info[128];
   uint64_t let_go_pc; /* where the last held signal was let go: never held again there */
+  uint64_t held_for_uc; /* a signal held at the signal stub's entry: the frame of the
+                           signal under it, whose handler it is to interrupt (hold_signal) */
   uint64_t epilog_seen; /* the epilog helper of Gum's its last callout calls (put_callout) */
 } BtThread;
 
@@ -2697,45 +2699,78 @@ static void write_branch(BtThread *t, uint64_t kind, uint64_t from, uint64_t to)
 static uint64_t copied_instruction_at(const BtCopy *found, uint64_t pc, uint64_t *last,
                                       int *at_start);
 static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc,
-                       const BtCopy *found);
+                       const BtCopy *found, uint8_t *under);
 static const BtCopy *copy_holding(BtThread *t, uint64_t pc);
 
+static int signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out);
+
+/* Two signals pending as the thread goes back to user space are delivered at once, the
+   second one's frame on top of the first one's, at its handler's entry: the signal stub's
+   (interrupted_frame).  The first one's frame, when `uc` is such a second one's; else
+   NULL. */
+static uint8_t *frame_under_stub_entry(const uint8_t *uc) {
+  uint64_t rip, rsp, pretcode;
+  if (!read_safely(uc + UC_RIP, &rip, 8) || rip != (uint64_t)bt_sigstub ||
+      !read_safely(uc + UC_RIP - 8, &rsp, 8) || !read_safely((const void *)rsp, &pretcode, 8) ||
+      pretcode != bt_fault_restorer())
+    return NULL;
+  return (uint8_t *)(rsp + 8);
+}
+
 /* From the signal stub, on the handler's frame: out[0] is where the stub goes, out[1] the
-   handler (the stub's `ret` takes out[0], Gum's or its own `ret` out[1]). */
+   handler (the stub's `ret` takes out[0], Gum's or its own `ret` out[1]).  A signal held
+   at the stub's entry, on top of this one's frame (hold_signal), goes in at this
+   handler's first record when the handler runs traced; else at once, before the handler
+   runs natively, as the kernel had it. */
 void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
+  BtThread *t = in_forked_child() ? NULL : current_thread();
+  int under_held = t != NULL && t->held_for_uc != 0 && t->held_for_uc == (uint64_t)uc;
+  if (under_held)
+    t->held_for_uc = 0;
+  if (!signal_enter(sig, info, uc, out) && under_held)
+    settle_held_signal(t);
+}
+
+/* Whether the handler runs traced. */
+static int signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
   uint64_t handler = sig >= 1 && sig <= 64 ? stub_slot(BT_SIGSTUB_HANDLERS)[sig] : 0;
   out[0] = *stub_slot(BT_SIGSTUB_NATIVE_RET);
   out[1] = handler;
   if (in_forked_child() || handler == 0)
-    return;
+    return 0;
   BtThread *t = current_thread();
   if (t == NULL || t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
       g_atomic_int_add(&STATE->renewals_held, 0))
-    return;
+    return 0;
   if (t->held_sig == sig) { /* delivered once for both, as a standard signal already
                                pending is */
     BT_HDR64(&t->w, BT_OFF_COUNTED_SIGNALS_MERGED) =
         BT_HDR64(&t->w, BT_OFF_COUNTED_SIGNALS_MERGED) + 1;
     out[1] = *stub_slot(BT_SIGSTUB_SKIP);
-    return;
+    return 0;
   }
   enter_c(t);
   if (!t->closed)
     finish_interrupted_record(t, uc);
   exit_c(t);
   uint64_t *rip = (uint64_t *)(uc + UC_RIP);
+  uint8_t *under = frame_under_stub_entry(uc);
+  if (under != NULL && hold_signal(t, (int)sig, info, uc, NULL, under)) {
+    out[1] = *stub_slot(BT_SIGSTUB_SKIP);
+    return 0;
+  }
   uint64_t last = 0;
   int at_start = 0;
   const BtCopy *found = copy_holding(t, *rip); /* (a scan: once) */
   uint64_t from = copied_instruction_at(found, *rip, &last, &at_start);
-  if (from == 0 && hold_signal(t, (int)sig, info, uc, found)) {
+  if (from == 0 && hold_signal(t, (int)sig, info, uc, found, NULL)) {
     out[1] = *stub_slot(BT_SIGSTUB_SKIP);
-    return;
+    return 0;
   }
   if (from == 0 || (!at_start && last == 0) || t->ret_copy == 0 ||
       t->ret_copy_ctx != t->exec_ctx || t->exec_ctx == NULL ||
       (WP(t) & (BT_CHUNK - 1)) == 0 /* the chunk is full: its callout is due */)
-    return; /* natively, marked by a GAP */
+    return 0; /* natively, marked by a GAP */
   write_branch(t, BT_KIND_INTERRUPT | (at_start ? BT_INTERRUPT_AT_START : BT_INTERRUPT_INSIDE),
                from, handler);
   int depth = t->handlers_running;
@@ -2749,6 +2784,7 @@ void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
   t->handlers_running = depth + 1;
   *rip = from; /* what the handler sees (Go's runtime reads it) */
   out[0] = t->ret_copy;
+  return 1;
 }
 
 /* Signals that come in the code Gum wrote for a block's last instruction (its branch: an
@@ -2798,7 +2834,7 @@ static int in_instruction_copy(const BtCopy *found, uint64_t pc) {
 }
 
 static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t *uc,
-                       const BtCopy *found) {
+                       const BtCopy *found, uint8_t *under) {
   BtSigaction now;
   int segv = fault_index(11);
   uint64_t mask = *(const uint64_t *)(uc + UC_SIGMASK);
@@ -2815,7 +2851,7 @@ static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t 
     t->let_go_pc = 0;
     return 0;
   }
-  if (!in_branch_code(found, pc) && !in_instruction_copy(found, pc))
+  if (under == NULL && !in_branch_code(found, pc) && !in_instruction_copy(found, pc))
     return 0;
   /* without SA_SIGINFO the kernel leaves the frame's siginfo unwritten: what is there is
      stale (queueing it again failed, and the signal was lost: a program that waited for
@@ -2828,6 +2864,7 @@ static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t 
     t->held_sig = 0;
     return 0;
   }
+  t->held_for_uc = (uint64_t)under;
   BT_HDR64(&t->w, BT_OFF_COUNTED_SIGNALS_HELD) = BT_HDR64(&t->w, BT_OFF_COUNTED_SIGNALS_HELD) + 1;
   return 1;
 }
@@ -2837,6 +2874,7 @@ static int queue_held(BtThread *t) {
   int held = t->held_sig;
   if (held == 0 || swap_int((int *)&t->held_sig, held, 0) != held)
     return 0;
+  t->held_for_uc = 0;
   syscall(10 /* mprotect */, t->header32, 4096, 3 /* PROT_READ|WRITE */);
   /* with its siginfo; else, or when the kernel refuses that (from another thread, for a
      siginfo of kill(), tgkill() or the kernel's own), as tgkill() would send it */
