@@ -255,8 +255,9 @@ def info(path: Path, as_json: bool) -> None:
             merged = signals.get("merged", 0)
             out.print(
                 f"signals held to the next block's start or system call: {signals['held']:,} "
-                "(they came in Stalker's code for a branch, or inside its copy of an "
-                "instruction, where a handler cannot be entered)"
+                "(they came in Stalker's code for a branch, inside its copy of an "
+                "instruction, or on top of another signal at its handler's entry, where a "
+                "handler cannot be entered)"
                 + (
                     f"; {merged:,} more of the same came meanwhile, delivered with them once, "
                     "as the kernel does a standard signal already pending"
