@@ -209,10 +209,10 @@ def test_a_signal_at_the_entry_of_the_handler_just_entered_is_a_second_delivery(
         np.array([0x7E00, on_signal, restorer], np.uint64),
     )
     assert [tuple(x.tolist()) for x in segments] == [
-        (0, 1, 2, 3, 4, 5),  # first block
-        (0, 2, 2, 1, 1, 0),  # depth: both handlers' frames, then one returns at a time
-        (0, 1, 2, 1, 2, 0),  # function
-        (HOW_START, HOW_SIGNAL, HOW_JUMP, HOW_RETURN, HOW_JUMP, HOW_RETURN),
+        (0, 1, 1, 2, 3, 4, 5),  # first block: the first handler's entry has none of its own
+        (0, 1, 2, 2, 1, 1, 0),  # depth: each handler one level in, returning one at a time
+        (0, 1, 1, 2, 1, 2, 0),  # function
+        (HOW_START, HOW_SIGNAL, HOW_SIGNAL, HOW_JUMP, HOW_RETURN, HOW_JUMP, HOW_RETURN),
     ]
 
 

@@ -3604,6 +3604,15 @@ def test_the_second_of_two_signals_delivered_at_once_runs_its_handler_traced(tmp
     assert (entered["from"][1::2] == usr1).all()
     back = b[(b["kind"] == BranchKind.SYSCALL) & (b["to"] == usr1)]
     assert back.size == rounds  # SIGUSR2's handler returns to SIGUSR1's first instruction
+    # the call history: SIGUSR1's handler entered, SIGUSR2's one level inside it
+    history = opened.calls(tid)
+    seg = history.segments
+    handlers = [
+        (history.function_name(int(s["function"])), int(s["depth"]), int(s["address"]))
+        for s in seg[seg["how"] == HOW_SIGNAL]
+    ]
+    depth = handlers[0][1]
+    assert handlers == [("on_usr1", depth, usr1), ("on_usr2", depth + 1, usr2)] * rounds
 
 
 def test_two_signals_delivered_at_once_leave_every_threads_trace_exact(tmp_path, programs):

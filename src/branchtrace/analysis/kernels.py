@@ -431,14 +431,14 @@ def _calls_part(
     nb_breaks = break_at.size
     why = _DONE
     while i < n - 1:
-        if s == seg_block.size:
-            why = _FULL_OUTPUT
-            break
         while j_break < nb_breaks and break_at[j_break] < i + 1:
             j_break += 1
         chained = j_break + 1  # signals that came at the handler entered before
         while chained < nb_breaks and break_at[chained] == i + 1:
             chained += 1
+        if s + chained - j_break > seg_block.size:
+            why = _FULL_OUTPUT
+            break
         # a signal right after a call pushes two frames, and one more per chained signal
         if sp + 1 + chained - j_break > ret.size:
             why = _FULL_STACK
@@ -482,7 +482,20 @@ def _calls_part(
             caller[sp] = _SIGNAL_FRAME
             sp += 1
             depth += 1
-            for j in range(j_break + 1, chained):  # each returns to the handler before
+            for j in range(j_break + 1, chained):
+                # the handler entered before signal j came, at its first instruction: a
+                # segment of no block, then signal j's frame, which returns there
+                entered = -1
+                for f in range(func_start.size):
+                    if func_start[f] == break_detail[j]:
+                        entered = f
+                        break
+                seg_block[s] = i + 1
+                seg_depth[s] = depth
+                seg_func[s] = entered
+                seg_how[s] = HOW_SIGNAL
+                s += 1
+                cur = entered
                 ret[sp] = break_detail[j]
                 caller[sp] = _SIGNAL_FRAME
                 sp += 1
@@ -578,8 +591,10 @@ def call_segments(
     goes one level up (the trace began mid-stack).  Across a break (untraced code, lost
     records) the stack stays, unless the trace resumes at the return address of a call on
     it: that call returned.  A jump to another function's entry is a tail call (same
-    depth).  Depths start at 0 for the oldest block and may go
-    negative for a trace that begins mid-stack; callers rebase them."""
+    depth).  A signal handler entered is a segment one level in (HOW_SIGNAL), also when
+    another signal came at its first instruction: a segment with no block of its own.
+    Depths start at 0 for the oldest block and may go negative for a trace that begins
+    mid-stack; callers rebase them."""
     cap = 1024
     seg = [np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)]
     seg.append(np.empty(cap, np.uint8))

@@ -406,6 +406,13 @@ class Trace:
         seg["first_block"] = first
         seg["address"] = blocks.start[blocks.ids[first]]
         seg["blocks"] = np.diff(first, append=blocks.ids.size)
+        # a handler another signal interrupted at its first instruction has a segment of no
+        # block of its own: entered where that signal came, the detail of the next of the
+        # deliveries chained before the block (kernels.Scan)
+        for z in np.flatnonzero(seg["blocks"] == 0).tolist():
+            at = int(first[z])
+            nth = z - int(np.searchsorted(first, at))
+            seg["address"][z] = blocks.break_detail[np.searchsorted(blocks.break_at, at) + 1 + nth]
         return CallHistory(tid, seg, names, modules.function_modules, mid_stack=lowest < 0)
 
     def stats(self, tids: list[int] | None = None) -> dict[str, Any]:
