@@ -3774,6 +3774,107 @@ static int ends_lookahead(csh h, const cs_insn *insn) {
   return 0;
 }
 
+/* Stalker links each block to the one its branch reaches (a backpatch) once it has asked
+   Gum's gum_x86_reader_disassemble_instruction_at() what that branch is, and that function
+   opens a capstone handle for the one instruction and closes it again: cs_open() builds
+   capstone's x86 instruction table (15,000 entries, 30 KB cleared a byte at a time) each
+   time.  Recording `python3 -c pass` spent 40% of all its samples there (perf: 22% in a
+   byte-wise memset, 18% in the table's loop).  The script puts bt_disassemble_at in its
+   place (Interceptor.replace, when bt_gum_reader_at finds it): the same instruction, the
+   same way, from one of a few handles kept open, each taken by one caller at a time; a
+   caller that finds none free (a nested call from a signal handler, a forked child whose
+   parent's thread held one) opens its own, as Gum did. */
+#define BT_READERS 8
+extern uint64_t bt_readers[]; /* BT_READERS x {capstone handle, taken} */
+static int same_bytes(const uint8_t *a, const uint8_t *b, unsigned n);
+
+cs_insn *bt_disassemble_at(const void *address) {
+  cs_insn *insn = NULL;
+  for (int k = 0; k < BT_READERS; k++) {
+    int *taken = (int *)&bt_readers[2 * k + 1];
+    if (*taken || swap_int(taken, 0, 1) != 0)
+      continue;
+    csh *cs = (csh *)&bt_readers[2 * k];
+    if (*cs == 0 && cs_open(CS_ARCH_X86, CS_MODE_64, cs) == CS_ERR_OK)
+      cs_option(*cs, CS_OPT_DETAIL, CS_OPT_ON);
+    if (*cs != 0)
+      cs_disasm(*cs, address, 16, (uint64_t)address, 1, &insn);
+    bt_barrier();
+    *taken = 0;
+    if (*cs != 0)
+      return insn;
+    break;
+  }
+  csh own;
+  if (cs_open(CS_ARCH_X86, CS_MODE_64, &own) != CS_ERR_OK)
+    return NULL;
+  cs_option(own, CS_OPT_DETAIL, CS_OPT_ON);
+  cs_disasm(own, address, 16, (uint64_t)address, 1, &insn);
+  cs_close(&own);
+  return insn;
+}
+
+/* Where Gum's capstone is, for the script to look for that function near it. */
+void *bt_cs_open(void) {
+  return (void *)cs_open;
+}
+
+static uint64_t call_target(const uint8_t *call) {
+  return call[0] == 0xe8 ? (uint64_t)(call + 5) + (int64_t) * (const int32_t *)(call + 1) : 0;
+}
+
+/* Gum's function, found from a match of its call of cs_open(handle, CS_ARCH_X86, CS_MODE_64)
+   (`mov esi, 8; mov edi, 3; call cs_open`): followed by calls of cs_option(), cs_disasm()
+   and cs_close() in that order and a `ret`, and begun right after the function before it
+   (its `ret` or padding) with straight-line code up to the match.  NULL when the code
+   there is not that. */
+void *bt_gum_reader_at(const uint8_t *match) {
+  static const uint8_t head[10] = {0xbe, 8, 0, 0, 0, 0xbf, 3, 0, 0, 0};
+  if (!same_bytes(match, head, 10) || call_target(match + 10) != (uint64_t)cs_open)
+    return NULL;
+  const uint64_t then[3] = {(uint64_t)cs_option, (uint64_t)cs_disasm, (uint64_t)cs_close};
+  const uint8_t *p = match + 15, *end = match + 15 + 96;
+  int found = 0;
+  while (p < end && found < 3) {
+    if (call_target(p) == then[found]) {
+      found++;
+      p += 5;
+    } else {
+      p++;
+    }
+  }
+  int returns = 0;
+  for (const uint8_t *q = p; found == 3 && q < p + 24 && !returns; q++)
+    returns = *q == 0xc3;
+  if (!returns)
+    return NULL;
+  csh cs;
+  if (cs_open(CS_ARCH_X86, CS_MODE_64, &cs) != CS_ERR_OK)
+    return NULL;
+  cs_insn *insn = cs_malloc(cs);
+  const uint8_t *start = NULL;
+  for (const uint8_t *s = match - 1; insn != NULL && start == NULL && s > match - 64; s--) {
+    if (s[-1] != 0xc3 && s[-1] != 0xcc && s[-1] != 0x90)
+      continue;
+    const uint8_t *code = s;
+    size_t left = (size_t)(match - s);
+    uint64_t address = (uint64_t)s;
+    int straight = 1, first = 1;
+    while (left > 0 && straight && cs_disasm_iter(cs, &code, &left, &address, insn)) {
+      straight = insn->id != X86_INS_RET && insn->id != X86_INS_JMP &&
+                 (!first || insn->id == X86_INS_PUSH) && !(insn->bytes[0] >= 0x70 && insn->bytes[0] <= 0x7f) &&
+                 !(insn->bytes[0] == 0x0f && insn->bytes[1] >= 0x80 && insn->bytes[1] <= 0x8f);
+      first = 0;
+    }
+    if (straight && left == 0 && address == (uint64_t)match)
+      start = s;
+  }
+  if (insn != NULL)
+    cs_free(insn, 1);
+  cs_close(&cs);
+  return (void *)start;
+}
+
 /* What the block starting at `code` leaves dead on entry: a mask of the general-purpose
    registers it overwrites before reading them, and whether it sets every status flag before
    testing one, both proven on the instructions that run in sequence from the start (up to

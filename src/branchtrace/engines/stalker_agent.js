@@ -358,6 +358,8 @@ const triggerReached = new NativeCallback((index) => {
   send({ type: 'trigger', index: Number(index), tid });
   recv(`snapshot:${tid}`, () => {}).wait();
 }, 'void', ['uint64']);
+const readers = Memory.alloc(8 * 2 * 8); // bt_readers (bt_disassemble_at)
+readers.writeByteArray(new Array(8 * 2 * 8).fill(0));
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
   bt_new_handler: newHandler,
@@ -373,6 +375,7 @@ const cm = new CModule(PARAMS.cSource, {
   bt_sigstub: sigStub,
   bt_trigger_reached: triggerReached,
   bt_triggers: triggerTable,
+  bt_readers: readers,
   fork: libc('fork'), open: libc('open'), close: libc('close'), fcntl: libc('fcntl'),
   lseek: libc('lseek'), mmap: libc('mmap'), munmap: libc('munmap'), getpid: libc('getpid'),
   syscall: libc('syscall'), clock_gettime: libc('clock_gettime'), memset: libc('memset'),
@@ -380,6 +383,37 @@ const cm = new CModule(PARAMS.cSource, {
   __errno_location: libc('__errno_location'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
+// Gum's one-instruction disassembler, which Stalker calls for every link it makes between
+// two blocks, opens a capstone handle each time (bt_disassemble_at in stalker_agent.c):
+// replaced by the agent's, which keeps a few open, when it is found where Gum's capstone is
+// (the agent's code is cloaked: /proc/self/maps names it).  A jump written over its first
+// 14 bytes, put back at the end (finish), before this script's code goes: with
+// Interceptor.replace() instead the program died (SIGSEGV, `python3 -c pass`).
+const gumReader = (() => {
+  const csOpen = new NativeFunction(cm.bt_cs_open, 'pointer', [])();
+  const gumReaderAt = new NativeFunction(cm.bt_gum_reader_at, 'pointer', ['pointer']);
+  for (const line of File.readAllText('/proc/self/maps').split('\n')) {
+    const [range, perms] = line.split(' ');
+    if (perms === undefined || !perms.startsWith('r-x')) continue;
+    const [start, end] = range.split('-').map((x) => ptr(`0x${x}`));
+    if (csOpen.compare(start) < 0 || csOpen.compare(end) >= 0) continue;
+    const found = Memory.scanSync(start, end.sub(start).toUInt32(), 'be 08 00 00 00 bf 03 00 00 00 e8')
+      .map((m) => gumReaderAt(m.address)).filter((f) => !f.isNull());
+    if (found.length !== 1) return null;
+    const original = found[0].readByteArray(14);
+    Memory.patchCode(found[0], 14, (code) => {
+      code.writeByteArray([0xff, 0x25, 0, 0, 0, 0]); // jmp [rip]
+      code.add(6).writePointer(cm.bt_disassemble_at);
+    });
+    return { at: found[0], original };
+  }
+  return null;
+})();
+function restoreGumReader() {
+  if (gumReader !== null) {
+    Memory.patchCode(gumReader.at, 14, (code) => code.writeByteArray(gumReader.original));
+  }
+}
 // A fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, abort()) names the program's instruction in the
 // trace (FAULT records, write_fault in stalker_agent.c) until the end (finish).
 const releaseFaults = new NativeFunction(cm.bt_release_faults, 'void', []);
@@ -1487,6 +1521,7 @@ function finish() {
     return finished;
   }
   unfollowAll();
+  restoreGumReader();
   const asleep = [];
   for (const [tid, t] of leftStalker()) {
     asleepThreads.set(tid, t);
