@@ -4209,6 +4209,7 @@ def test_an_indirect_call_site_with_40_targets_is_exact(tmp_path, programs):
     assert res.returncode == 0, res.stderr
     trace = TraceDir.open(tmp_path / "d")
     assert trace.meta()["inline_cache"] == 32
+    assert trace.meta()["gum_reader"] is True  # bt_disassemble_at in Gum's function's place
     (tid,) = trace.threads()
     where = modules(trace, tid)
     b = branchtrace.open(trace.path).branches(tid)

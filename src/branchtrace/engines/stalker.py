@@ -893,6 +893,7 @@ class _Recording:
         #: which the injector runs on the main thread after each fork() (stalker_agent.js:
         #: injectorGuarded), or None if none said
         self.injector_guard: bool | None = None
+        self.gum_reader: bool | None = None
         #: where the first agent that looked found GLib's signal lock, from the agent's
         #: start, or -1 if nowhere: the same in every process's agent, so the others are
         #: handed it (stalker_agent.js)
@@ -1414,6 +1415,8 @@ class _Recording:
                     self.fork_signal_lock = (
                         bool(event.get("signalLock")) and self.fork_signal_lock is not False
                     )
+                elif event.get("type") == "gum-reader":
+                    self.gum_reader = bool(event["found"]) and self.gum_reader is not False
                 elif event.get("type") == "injector-guard":
                     self.injector_guard = bool(event["found"]) and self.injector_guard is not False
                 elif event.get("type") == "frida-fault":
@@ -1455,6 +1458,12 @@ class _Recording:
                 "Frida's loader was not found (this Frida is not one branchtrace knows): "
                 "after each fork(), Frida's injector can leave the main thread of the parent "
                 "and of each child with its vector registers changed (docs/fork.md section 29)"
+            )
+        if self.gum_reader is False:
+            self._error(
+                "Gum's one-instruction disassembler was not found (this Frida is not one "
+                "branchtrace knows): Stalker builds capstone's tables anew for each link "
+                "between two blocks, and large programs record much more slowly"
             )
         if self.inline_cache is not None and self.inline_cache != INLINE_CACHE:
             self._error(
@@ -2435,6 +2444,7 @@ class StalkerEngine:
         result.untraced = len(rec.untraced_threads) - rec.threads_at_no_module
         finish_meta(meta, result, rec.untraced_threads)
         meta["inline_cache"] = rec.inline_cache
+        meta["gum_reader"] = rec.gum_reader
         meta["traced_from"] = rec.traced_from
         meta["fork_heap_locks"] = rec.fork_heap_locks
         meta["fork_signal_lock"] = rec.fork_signal_lock

@@ -1730,6 +1730,8 @@ static void drop_inherited_contexts(uint32_t forking_thread) {
 }
 
 /* The child's side; the parent's thread is followed again in bt_on_fork_done. */
+void bt_gum_reader_restore(void);
+
 void bt_on_fork_leave(GumInvocationContext *ic) {
   if ((gssize)gum_invocation_context_get_return_value(ic) != 0)
     return;
@@ -1745,6 +1747,7 @@ void bt_on_fork_leave(GumInvocationContext *ic) {
     if (STATE->threads[i] != NULL)
       bt_thread_forget(STATE->threads[i]);
   bt_release_faults(); /* Frida frees this code in the child */
+  bt_gum_reader_restore(); /* (so may Frida this module) */
   disarm_inherited_altstack();
   leave_parents_trace(STATE->unhook_children);
   drop_inherited_contexts(*GUM_IC_GET_INVOCATION_DATA(ic, uint32_t));
@@ -3780,13 +3783,103 @@ static int ends_lookahead(csh h, const cs_insn *insn) {
    capstone's x86 instruction table (15,000 entries, 30 KB cleared a byte at a time) each
    time.  Recording `python3 -c pass` spent 40% of all its samples there (perf: 22% in a
    byte-wise memset, 18% in the table's loop).  The script puts bt_disassemble_at in its
-   place (Interceptor.replace, when bt_gum_reader_at finds it): the same instruction, the
+   place when bt_gum_reader_at finds it (bt_gum_reader_install): the same instruction, the
    same way, from one of a few handles kept open, each taken by one caller at a time; a
    caller that finds none free (a nested call from a signal handler, a forked child whose
    parent's thread held one) opens its own, as Gum did. */
 #define BT_READERS 8
-extern uint64_t bt_readers[]; /* BT_READERS x {capstone handle, taken} */
+extern uint64_t bt_readers[]; /* BT_READERS x {capstone handle, taken}, then the page below */
 static int same_bytes(const uint8_t *a, const uint8_t *b, unsigned n);
+cs_insn *bt_disassemble_at(const void *address);
+
+/* Gum's function jumps through a page of the agent's that is never freed: a magic word,
+   the target (this module's bt_disassemble_at, or Gum's own first instructions, copied
+   there and followed by a jump back), the copy, and the jump through the target.  Putting
+   Gum's own back is one store, never a rewrite of code another thread may be running; a
+   forked child's script, whose copy of the parent's code holds the jump already, sets its
+   own; a forked child's copy of this module, which Frida may unload, puts Gum's back if
+   the target is still its own (bt_on_fork_leave). */
+#define BT_READER_MAGIC 0x7264726d75677462ULL
+#define BT_READER_TARGET 8
+#define BT_READER_COPY 16
+#define BT_READER_JUMP 48
+static const uint8_t reader_jump[6] = {0xff, 0x25, 0, 0, 0, 0}; /* jmp [rip] */
+
+static uint8_t *reader_page_of(const uint8_t *start) {
+  uint64_t to, magic;
+  if (!same_bytes(start, reader_jump, 6) || !read_safely(start + 6, &to, 8) ||
+      !read_safely((const void *)(to - BT_READER_JUMP), &magic, 8) || magic != BT_READER_MAGIC)
+    return NULL;
+  return (uint8_t *)(to - BT_READER_JUMP);
+}
+
+/* Points Gum's function at `start` to bt_disassemble_at: 1 when the caller is to write the
+   14 bytes of `patch` over its start, 0 when it jumps through the page already, -1 when
+   its first 14 bytes are not whole instructions that can run elsewhere. */
+int bt_gum_reader_install(const uint8_t *start, uint8_t *patch) {
+  uint8_t *page = reader_page_of(start);
+  if (page != NULL) {
+    bt_readers[2 * BT_READERS] = (uint64_t)page;
+    *(uint64_t *)(page + BT_READER_TARGET) = (uint64_t)bt_disassemble_at;
+    return 0;
+  }
+  csh cs;
+  if (cs_open(CS_ARCH_X86, CS_MODE_64, &cs) != CS_ERR_OK)
+    return -1;
+  cs_option(cs, CS_OPT_DETAIL, CS_OPT_ON);
+  cs_insn *insn = cs_malloc(cs);
+  const uint8_t *code = start;
+  size_t left = 14;
+  uint64_t address = (uint64_t)start;
+  int movable = insn != NULL;
+  while (movable && left > 0 && cs_disasm_iter(cs, &code, &left, &address, insn)) {
+    const cs_x86 *x = &insn->detail->x86;
+    for (int g = 0; g < insn->detail->groups_count; g++) {
+      uint8_t group = insn->detail->groups[g];
+      movable &= group != CS_GRP_JUMP && group != CS_GRP_CALL && group != CS_GRP_RET &&
+                 group != CS_GRP_INT && group != CS_GRP_IRET && group != CS_GRP_BRANCH_RELATIVE;
+    }
+    for (int i = 0; i < x->op_count; i++)
+      movable &= !(x->operands[i].type == X86_OP_MEM && x->operands[i].mem.base == X86_REG_RIP);
+  }
+  movable &= left == 0 && address == (uint64_t)start + 14;
+  if (insn != NULL)
+    cs_free(insn, 1);
+  cs_close(&cs);
+  if (!movable)
+    return -1;
+  page = mmap(NULL, 4096, 7 /* RWX */, 0x22 /* PRIVATE|ANONYMOUS */, -1, 0);
+  if (page == (uint8_t *)-1)
+    return -1;
+  *(uint64_t *)page = BT_READER_MAGIC;
+  for (int i = 0; i < 14; i++)
+    page[BT_READER_COPY + i] = start[i];
+  for (int i = 0; i < 6; i++)
+    page[BT_READER_COPY + 14 + i] = reader_jump[i];
+  *(uint64_t *)(page + BT_READER_COPY + 20) = (uint64_t)start + 14;
+  static const uint8_t through_target[6] = {0xff, 0x25, /* jmp [rip - 46]: the target */
+                                            (uint8_t)(BT_READER_TARGET - BT_READER_JUMP - 6),
+                                            0xff, 0xff, 0xff};
+  for (int i = 0; i < 6; i++)
+    page[BT_READER_JUMP + i] = through_target[i];
+  *(uint64_t *)(page + BT_READER_TARGET) = (uint64_t)bt_disassemble_at;
+  bt_readers[2 * BT_READERS] = (uint64_t)page;
+  for (int i = 0; i < 6; i++)
+    patch[i] = reader_jump[i];
+  *(uint64_t *)(patch + 6) = (uint64_t)(page + BT_READER_JUMP);
+  return 1;
+}
+
+/* Gum's own function back, if the page still points here (the end of the recording; the
+   child's side of a fork()). */
+void bt_gum_reader_restore(void) {
+  uint8_t *page = (uint8_t *)bt_readers[2 * BT_READERS];
+  if (page == NULL)
+    return;
+  uint64_t *target = (uint64_t *)(page + BT_READER_TARGET);
+  if (*target == (uint64_t)bt_disassemble_at)
+    *target = (uint64_t)(page + BT_READER_COPY);
+}
 
 cs_insn *bt_disassemble_at(const void *address) {
   cs_insn *insn = NULL;
@@ -3856,13 +3949,15 @@ void *bt_gum_reader_at(const uint8_t *match) {
   for (const uint8_t *s = match - 1; insn != NULL && start == NULL && s > match - 64; s--) {
     if (s[-1] != 0xc3 && s[-1] != 0xcc && s[-1] != 0x90)
       continue;
-    const uint8_t *code = s;
-    size_t left = (size_t)(match - s);
-    uint64_t address = (uint64_t)s;
-    int straight = 1, first = 1;
+    int patched = reader_page_of(s) != NULL; /* by a recording of the parent process */
+    const uint8_t *code = patched ? s + 14 : s;
+    size_t left = (size_t)(match - code);
+    uint64_t address = (uint64_t)code;
+    int straight = s + 14 <= match || !patched, first = !patched;
     while (left > 0 && straight && cs_disasm_iter(cs, &code, &left, &address, insn)) {
       straight = insn->id != X86_INS_RET && insn->id != X86_INS_JMP &&
-                 (!first || insn->id == X86_INS_PUSH) && !(insn->bytes[0] >= 0x70 && insn->bytes[0] <= 0x7f) &&
+                 (!first || insn->id == X86_INS_PUSH) &&
+                 !(insn->bytes[0] >= 0x70 && insn->bytes[0] <= 0x7f) && /* no jcc */
                  !(insn->bytes[0] == 0x0f && insn->bytes[1] >= 0x80 && insn->bytes[1] <= 0x8f);
       first = 0;
     }

@@ -358,8 +358,8 @@ const triggerReached = new NativeCallback((index) => {
   send({ type: 'trigger', index: Number(index), tid });
   recv(`snapshot:${tid}`, () => {}).wait();
 }, 'void', ['uint64']);
-const readers = Memory.alloc(8 * 2 * 8); // bt_readers (bt_disassemble_at)
-readers.writeByteArray(new Array(8 * 2 * 8).fill(0));
+const readers = Memory.alloc(8 * (2 * 8 + 1)); // bt_readers (bt_disassemble_at)
+readers.writeByteArray(new Array(8 * (2 * 8 + 1)).fill(0));
 const cm = new CModule(PARAMS.cSource, {
   bt_is_frida_code: isFridaCode,
   bt_new_handler: newHandler,
@@ -383,37 +383,6 @@ const cm = new CModule(PARAMS.cSource, {
   __errno_location: libc('__errno_location'),
 });
 const getpid = new NativeFunction(libc('getpid'), 'int', []);
-// Gum's one-instruction disassembler, which Stalker calls for every link it makes between
-// two blocks, opens a capstone handle each time (bt_disassemble_at in stalker_agent.c):
-// replaced by the agent's, which keeps a few open, when it is found where Gum's capstone is
-// (the agent's code is cloaked: /proc/self/maps names it).  A jump written over its first
-// 14 bytes, put back at the end (finish), before this script's code goes: with
-// Interceptor.replace() instead the program died (SIGSEGV, `python3 -c pass`).
-const gumReader = (() => {
-  const csOpen = new NativeFunction(cm.bt_cs_open, 'pointer', [])();
-  const gumReaderAt = new NativeFunction(cm.bt_gum_reader_at, 'pointer', ['pointer']);
-  for (const line of File.readAllText('/proc/self/maps').split('\n')) {
-    const [range, perms] = line.split(' ');
-    if (perms === undefined || !perms.startsWith('r-x')) continue;
-    const [start, end] = range.split('-').map((x) => ptr(`0x${x}`));
-    if (csOpen.compare(start) < 0 || csOpen.compare(end) >= 0) continue;
-    const found = Memory.scanSync(start, end.sub(start).toUInt32(), 'be 08 00 00 00 bf 03 00 00 00 e8')
-      .map((m) => gumReaderAt(m.address)).filter((f) => !f.isNull());
-    if (found.length !== 1) return null;
-    const original = found[0].readByteArray(14);
-    Memory.patchCode(found[0], 14, (code) => {
-      code.writeByteArray([0xff, 0x25, 0, 0, 0, 0]); // jmp [rip]
-      code.add(6).writePointer(cm.bt_disassemble_at);
-    });
-    return { at: found[0], original };
-  }
-  return null;
-})();
-function restoreGumReader() {
-  if (gumReader !== null) {
-    Memory.patchCode(gumReader.at, 14, (code) => code.writeByteArray(gumReader.original));
-  }
-}
 // A fault (SIGSEGV, SIGBUS, SIGILL, SIGFPE, abort()) names the program's instruction in the
 // trace (FAULT records, write_fault in stalker_agent.c) until the end (finish).
 const releaseFaults = new NativeFunction(cm.bt_release_faults, 'void', []);
@@ -425,6 +394,39 @@ new NativeFunction(cm.bt_catch_faults, 'void', [])();
 // so.  The C side notes the inline cache itself.
 const btNote = new NativeFunction(cm.bt_note, 'void', ['pointer']);
 const note = (event) => btNote(Memory.allocUtf8String(`${JSON.stringify(event)}\n`));
+// Gum's one-instruction disassembler, which Stalker calls for every link it makes between
+// two blocks, opens a capstone handle each time (bt_disassemble_at in stalker_agent.c):
+// replaced by the agent's, which keeps a few open, when it is found where Gum's capstone is
+// (the agent's code is cloaked: /proc/self/maps names it).  Its first 14 bytes become a
+// jump through a page of the agent's (bt_gum_reader_install).  With Interceptor.replace()
+// instead the program died (SIGSEGV, `python3 -c pass`).
+const gumReader = (() => {
+  const csOpen = new NativeFunction(cm.bt_cs_open, 'pointer', [])();
+  const gumReaderAt = new NativeFunction(cm.bt_gum_reader_at, 'pointer', ['pointer']);
+  const install = new NativeFunction(cm.bt_gum_reader_install, 'int', ['pointer', 'pointer']);
+  // every executable mapping of the file Gum's capstone is in: a page patched before (in a
+  // forked child, by the parent's recording) is a mapping of its own
+  const maps = File.readAllText('/proc/self/maps').split('\n').map((line) => {
+    const [range, perms, , , , path] = line.split(/ +/);
+    const [start, end] = (range || '0-0').split('-').map((x) => ptr(`0x${x}`));
+    return { start, end, perms: perms || '', path };
+  });
+  const home = maps.find((m) => csOpen.compare(m.start) >= 0 && csOpen.compare(m.end) < 0);
+  if (home === undefined || home.path === undefined) return false;
+  const found = maps.filter((m) => m.path === home.path && m.perms.includes('x'))
+    .flatMap((m) => Memory.scanSync(m.start, m.end.sub(m.start).toUInt32(),
+      'be 08 00 00 00 bf 03 00 00 00 e8'))
+    .map((match) => gumReaderAt(match.address)).filter((f) => !f.isNull());
+  if (found.length !== 1) return false;
+  const patch = Memory.alloc(14);
+  const how = install(found[0], patch);
+  if (how === 1) {
+    Memory.patchCode(found[0], 14, (code) => code.writeByteArray(patch.readByteArray(14)));
+  }
+  return how >= 0;
+})();
+const restoreGumReader = new NativeFunction(cm.bt_gum_reader_restore, 'void', []);
+note({ type: 'gum-reader', found: gumReader });
 // false in a forked child that Frida's child gating keeps this script alive in
 const inTracedProcess = () => getpid() === state.readU32();
 const threadAlloc = new NativeFunction(cm.bt_thread_alloc, 'pointer', []);
