@@ -401,22 +401,9 @@ const note = (event) => btNote(Memory.allocUtf8String(`${JSON.stringify(event)}\
 // jump through a page of the agent's (bt_gum_reader_install).  With Interceptor.replace()
 // instead the program died (SIGSEGV, `python3 -c pass`).
 const gumReader = (() => {
-  const csOpen = new NativeFunction(cm.bt_cs_open, 'pointer', [])();
-  const gumReaderAt = new NativeFunction(cm.bt_gum_reader_at, 'pointer', ['pointer']);
   const install = new NativeFunction(cm.bt_gum_reader_install, 'int', ['pointer', 'pointer']);
-  // every executable mapping of the file Gum's capstone is in: a page patched before (in a
-  // forked child, by the parent's recording) is a mapping of its own
-  const maps = File.readAllText('/proc/self/maps').split('\n').map((line) => {
-    const [range, perms, , , , path] = line.split(/ +/);
-    const [start, end] = (range || '0-0').split('-').map((x) => ptr(`0x${x}`));
-    return { start, end, perms: perms || '', path };
-  });
-  const home = maps.find((m) => csOpen.compare(m.start) >= 0 && csOpen.compare(m.end) < 0);
-  if (home === undefined || home.path === undefined) return false;
-  const found = maps.filter((m) => m.path === home.path && m.perms.includes('x'))
-    .flatMap((m) => Memory.scanSync(m.start, m.end.sub(m.start).toUInt32(),
-      'be 08 00 00 00 bf 03 00 00 00 e8'))
-    .map((match) => gumReaderAt(match.address)).filter((f) => !f.isNull());
+  const inherited = new NativeFunction(cm.bt_gum_reader_inherited, 'pointer', [])();
+  const found = inherited.isNull() ? findGumReader() : [inherited];
   if (found.length !== 1) return false;
   const patch = Memory.alloc(14);
   const how = install(found[0], patch);
@@ -425,6 +412,23 @@ const gumReader = (() => {
   }
   return how >= 0;
 })();
+// every executable mapping of the file Gum's capstone is in: a page patched before (in a
+// forked child, by the parent's recording) is a mapping of its own
+function findGumReader() {
+  const csOpen = new NativeFunction(cm.bt_cs_open, 'pointer', [])();
+  const gumReaderAt = new NativeFunction(cm.bt_gum_reader_at, 'pointer', ['pointer']);
+  const maps = File.readAllText('/proc/self/maps').split('\n').map((line) => {
+    const [range, perms, , , , path] = line.split(/ +/);
+    const [start, end] = (range || '0-0').split('-').map((x) => ptr(`0x${x}`));
+    return { start, end, perms: perms || '', path };
+  });
+  const home = maps.find((m) => csOpen.compare(m.start) >= 0 && csOpen.compare(m.end) < 0);
+  if (home === undefined || home.path === undefined) return [];
+  return maps.filter((m) => m.path === home.path && m.perms.includes('x'))
+    .flatMap((m) => Memory.scanSync(m.start, m.end.sub(m.start).toUInt32(),
+      'be 08 00 00 00 bf 03 00 00 00 e8'))
+    .map((match) => gumReaderAt(match.address)).filter((f) => !f.isNull());
+}
 const restoreGumReader = new NativeFunction(cm.bt_gum_reader_restore, 'void', []);
 note({ type: 'gum-reader', found: gumReader });
 // false in a forked child that Frida's child gating keeps this script alive in
