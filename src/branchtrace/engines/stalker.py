@@ -893,6 +893,8 @@ class _Recording:
         #: which the injector runs on the main thread after each fork() (stalker_agent.js:
         #: injectorGuarded), or None if none said
         self.injector_guard: bool | None = None
+        #: whether every agent found Gum's one-instruction disassembler and put its own in
+        #: its place (bt_disassemble_at in stalker_agent.c), or None if none said
         self.gum_reader: bool | None = None
         #: where the first agent that looked found GLib's signal lock, from the agent's
         #: start, or -1 if nowhere: the same in every process's agent, so the others are
