@@ -184,11 +184,8 @@ def test_a_signal_at_the_entry_of_the_handler_just_entered_is_a_second_delivery(
         (BranchKind.RETURN, 1),
         (BranchKind.SYSCALL, 2),
     ]
-    b = Blocks(
-        found.ids,
-        found.break_at,
-        found.break_kind,
-        found.break_detail,
+    b = Blocks.of_scan(
+        found,
         start,
         last,
         np.array([last_insn[func[x]][0] for x in start.tolist()], np.uint8),

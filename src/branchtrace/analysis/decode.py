@@ -17,6 +17,7 @@ from ..symbols import ModuleMap
 from ..x86 import UNKNOWN, classify
 from .kernels import (
     SIGNAL_DELIVERIES,
+    Scan,
     block_bounds,
     branch_part,
     scan_blocks,
@@ -68,6 +69,25 @@ class Blocks:
     #: uint32: ... this many times (kernels.Scan)
     handler_times: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
 
+    @classmethod
+    def of_scan(
+        cls, found: Scan, start: np.ndarray, last: np.ndarray, kind: np.ndarray, size: np.ndarray
+    ) -> Blocks:
+        """The blocks scan_blocks found, with each distinct block's bounds (block_bounds)
+        and the kind and length of its last instruction."""
+        return cls(
+            found.ids,
+            found.break_at,
+            found.break_kind,
+            found.break_detail,
+            start,
+            last,
+            kind,
+            size,
+            found.handler_at,
+            found.handler_times,
+        )
+
     def kernel_args(
         self,
     ) -> tuple[
@@ -96,19 +116,7 @@ class Blocks:
 def scan(words: np.ndarray, modules: ModuleMap) -> Blocks:
     found = scan_blocks(np.ascontiguousarray(words, np.uint64))
     start, last = block_bounds(found.unique)
-    kind, size = classify_addresses(last, modules)
-    return Blocks(
-        found.ids,
-        found.break_at,
-        found.break_kind,
-        found.break_detail,
-        start,
-        last,
-        kind,
-        size,
-        found.handler_at,
-        found.handler_times,
-    )
+    return Blocks.of_scan(found, start, last, *classify_addresses(last, modules))
 
 
 _CHUNK = 1 << 23  #: blocks decoded at a time, to bound the temporaries

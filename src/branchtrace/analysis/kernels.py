@@ -404,6 +404,16 @@ def _frame_of(stack, sp, value):  # type: ignore[no-untyped-def]
     return j
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def _segment(seg_block, seg_depth, seg_func, seg_how, s, block, depth, func, how):  # type: ignore[no-untyped-def]
+    """Segment s of the call history; returns s + 1."""
+    seg_block[s] = block
+    seg_depth[s] = depth
+    seg_func[s] = func
+    seg_how[s] = how
+    return s + 1
+
+
 @nb.njit(cache=True, nogil=True)
 def _calls_part(
     ids,
@@ -490,11 +500,9 @@ def _calls_part(
                     if func_start[f] == break_detail[j]:
                         entered = f
                         break
-                seg_block[s] = i + 1
-                seg_depth[s] = depth
-                seg_func[s] = entered
-                seg_how[s] = HOW_SIGNAL
-                s += 1
+                s = _segment(
+                    seg_block, seg_depth, seg_func, seg_how, s, i + 1, depth, entered, HOW_SIGNAL
+                )
                 cur = entered
                 ret[sp] = break_detail[j]
                 caller[sp] = _SIGNAL_FRAME
@@ -558,11 +566,7 @@ def _calls_part(
             elif nf != cur:
                 how = HOW_JUMP  # fell through into the next function
         if how >= 0:
-            seg_block[s] = i + 1
-            seg_depth[s] = depth
-            seg_func[s] = nf
-            seg_how[s] = how
-            s += 1
+            s = _segment(seg_block, seg_depth, seg_func, seg_how, s, i + 1, depth, nf, how)
             cur = nf
         i += 1
     state[0], state[1], state[2], state[3], state[4], state[5] = i, sp, depth, cur, s, j_break
