@@ -1251,6 +1251,24 @@ def test_follow_fork_children_forked_past_fridas_hook_are_named_with_their_endin
     ), info.stdout
 
 
+def kernel_can_seal() -> bool:
+    """Whether this kernel has mseal() (Linux 6.10), tried on a page of this process's."""
+    import ctypes
+    import mmap
+
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    sealed = libc.syscall(
+        ctypes.c_long(462),
+        ctypes.c_void_p(address),
+        ctypes.c_size_t(mmap.PAGESIZE),
+        ctypes.c_ulong(0),
+    )
+    return sealed == 0  # the page stays mapped for good: a sealed mapping cannot be unmapped
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="pidreuse sets /proc/sys/kernel/ns_last_pid")
 def test_a_forked_child_given_an_earlier_childs_pid_is_traced_as_a_process_of_its_own(
     tmp_path, programs
@@ -1265,6 +1283,9 @@ def test_a_forked_child_given_an_earlier_childs_pid_is_traced_as_a_process_of_it
     assert "not traced" not in res.stderr, res.stderr
     trace = TraceDir.open(out)
     meta = trace.meta()
+    # Frida's injector unmaps a dead child's loader by its pid: sealed, a thread that has
+    # that pid again keeps it (docs/fork.md section 31)
+    assert meta["loader_sealed"] is kernel_can_seal(), res.stderr
     children = [parse_thread_label(label) for label in meta["processes"]]
     (again,) = [key for key in children if key >= GENERATION]
     assert thread_id(again) in children  # the earlier child, under its pid
@@ -1949,7 +1970,8 @@ def test_frida_fork_locks_not_found_are_warned_of_under_follow_fork(tmp_path, he
 
 
 @pytest.mark.parametrize("found", [(True, True, True), (True, False, True)])
-def test_fridas_loader_not_found_is_warned_of_under_follow_fork(tmp_path, found):
+@pytest.mark.parametrize("sealed", [(True, True, True), (True, None, False)])
+def test_fridas_loader_not_found_is_warned_of_under_follow_fork(tmp_path, found, sealed):
     # each agent says whether it put its stub around the pthread_create() of Frida's loader
     # (stalker_agent.js: injectorGuarded), the recording whether all did
     from branchtrace.engines.base import RecordOptions
@@ -1959,12 +1981,14 @@ def test_fridas_loader_not_found_is_warned_of_under_follow_fork(tmp_path, found)
         output=tmp_path / "d", mode=Mode.WRAP, buffer_size=1 << 20, follow_fork=True
     )
     rec = _Recording(TraceDir.create(options.output), options)
-    for key, guarded in zip((700, 701, 702), found, strict=True):
-        (rec.tracedir.path / f"{_NOTES_FILE}{key}").write_text(
-            f'{{"type": "injector-guard", "found": {str(guarded).lower()}}}\n'
-        )
+    for key, guarded, was_sealed in zip((700, 701, 702), found, sealed, strict=True):
+        note = {"type": "injector-guard", "found": guarded, "sealed": was_sealed}
+        (rec.tracedir.path / f"{_NOTES_FILE}{key}").write_text(json.dumps(note) + "\n")
     rec.read_notes()
     assert rec.injector_guard is all(found)
+    # an agent that found no loader sealed none (None); one that could not (no mseal() in
+    # this kernel) says false
+    assert rec.loader_sealed is (False not in sealed)
     warned = [e for e in rec.errors if "Frida's loader was not found" in e]
     assert len(warned) == (0 if all(found) else 1)
     rec.finish()

@@ -893,6 +893,9 @@ class _Recording:
         #: which the injector runs on the main thread after each fork() (stalker_agent.js:
         #: injectorGuarded), or None if none said
         self.injector_guard: bool | None = None
+        #: whether every agent under --follow-fork sealed Frida's loader against the
+        #: injector's munmap() by a reused pid (injectorGuarded), or None if none said
+        self.loader_sealed: bool | None = None
         #: whether every agent found Gum's one-instruction disassembler and put its own in
         #: its place (bt_disassemble_at in stalker_agent.c), or None if none said
         self.gum_reader: bool | None = None
@@ -1421,6 +1424,10 @@ class _Recording:
                     self.gum_reader = bool(event["found"]) and self.gum_reader is not False
                 elif event.get("type") == "injector-guard":
                     self.injector_guard = bool(event["found"]) and self.injector_guard is not False
+                    if event.get("sealed") is not None:
+                        self.loader_sealed = (
+                            bool(event["sealed"]) and self.loader_sealed is not False
+                        )
                 elif event.get("type") == "frida-fault":
                     self.frida_faults.append({"pid": pid, **event})
                     del self.frida_faults[-1]["type"]
@@ -2451,6 +2458,7 @@ class StalkerEngine:
         meta["fork_heap_locks"] = rec.fork_heap_locks
         meta["fork_signal_lock"] = rec.fork_signal_lock
         meta["injector_guard"] = rec.injector_guard
+        meta["loader_sealed"] = rec.loader_sealed
         meta["frida_faults"] = rec.frida_faults
         meta["contexts_renewed"] = rec.contexts_renewed
         tracedir.write_meta(meta)

@@ -1071,21 +1071,36 @@ function findLoaderSlot() {
     }
     const slot = findSlot(start, size, code[23], code[27], created, GUARD_HEAD);
     if (!slot.isNull()) {
-      return slot;
+      return { slot, start, size };
     }
   }
   return null;
 }
+// Under child gating Frida's injector also unmaps a dead child's loader: by its pid, some
+// 50 ms after the child's agent thread is gone.  Should a thread of a process forked from
+// the same parent (which has the loader at the same address) have that pid by then, the
+// loader goes from under it: the parent's agent thread, running the loader's code, died of
+// SIGSEGV (pidreuse.c, which hands pids out again: 8 and 11 recordings of 150, sealed 0 and
+// 1; docs/fork.md section 31).  So under --follow-fork the loader's mapping is sealed
+// (mseal(), Linux 6.10): an munmap() of it fails, and it stays after the recording, as the
+// stub does.  (NativeFunction gives a 'long' as an Int64.)
+const msealSyscall = new NativeFunction(libc('syscall'), 'long',
+  ['long', '...', 'pointer', 'uint64', 'uint64']);
+let loaderSealed = null;
 const injectorGuarded = (() => {
-  let slot;
+  let loader;
   try {
-    slot = findLoaderSlot();
+    loader = findLoaderSlot();
   } catch (e) {
     return false;
   }
-  if (slot === null) {
+  if (loader === null) {
     return false;
   }
+  if (PARAMS.followFork) {
+    loaderSealed = msealSyscall(462 /* mseal */, loader.start, loader.size, 0).toNumber() === 0;
+  }
+  const slot = loader.slot;
   if (!slot.readPointer().equals(libc('pthread_create'))) {
     return true; // the stub, in a forked child: its parent's
   }
@@ -1123,7 +1138,7 @@ const injectorGuarded = (() => {
   slot.writePointer(stub);
   return true;
 })();
-note({ type: 'injector-guard', found: injectorGuarded });
+note({ type: 'injector-guard', found: injectorGuarded, sealed: loaderSealed });
 
 // A spawned program is traced from the first of these its main thread runs: the
 // executable's _init, where Frida holds it (libc calls _init right before the executable's
