@@ -1,9 +1,10 @@
 /* Timer signals that land at arbitrary instructions: calls f argv[1] times while SIGALRM
-   fires every 20 us; prints the sum, how many times the handler ran, and how many of those
-   runs interrupted the main thread; then, for each of those, how many calls of f had begun
-   by then (`at`, or one fewer).  The others ran on a thread the program did not
-   create: the kernel gives a process-directed signal to any thread not blocking it when
-   the main thread already has one pending, and a tracer's agent threads count. */
+   fires every 20 us (every argv[2] us if given); prints the sum, how many times the
+   handler ran, and how many of those runs interrupted the main thread; then, for each of
+   those, how many calls of f had begun by then (`at`, or one fewer).  The others ran on a
+   thread the program did not create: the kernel gives a process-directed signal to any
+   thread not blocking it when the main thread already has one pending, and a tracer's
+   agent threads count. */
 #define _GNU_SOURCE
 #include <signal.h>
 #include <stdio.h>
@@ -26,7 +27,8 @@ int main(int argc, char **argv) {
   long n = atol(argv[1]);
   main_tid = gettid();
   signal(SIGALRM, on_alarm);
-  struct itimerval every = {{0, 20}, {0, 20}}, off = {{0, 0}, {0, 0}};
+  long us = argc > 2 ? atol(argv[2]) : 20; /* the timer's period */
+  struct itimerval every = {{0, us}, {0, us}}, off = {{0, 0}, {0, 0}};
   setitimer(ITIMER_REAL, &every, NULL);
   for (long i = 0; i < n; i++) {
     at = i + 1;

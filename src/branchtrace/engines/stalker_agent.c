@@ -2550,7 +2550,7 @@ void bt_after_signal(GumInvocationContext *ic) {
    or a sequence whose chunk check has fired (`wp` at a 64 KiB boundary) on its way there,
    the GAP is left due and that C code writes it as it ends (leave_c, on_chunk_end): the
    same place, since nothing is written in between. */
-static int finish_interrupted_record(BtThread *t, uint8_t *uc);
+static int finish_interrupted_record(BtThread *t, uint8_t *uc, int kernels);
 
 void bt_on_handler_entry(GumInvocationContext *ic) {
   if (in_forked_child())
@@ -2570,8 +2570,8 @@ void bt_on_handler_entry(GumInvocationContext *ic) {
   t->handlers_running++;
   if (!t->in_c) {
     enter_c(t);
-    if (!t->closed)
-      finish_interrupted_record(t, uc);
+    if (!t->closed) /* a handler called as a function gets no ucontext: read safely */
+      finish_interrupted_record(t, uc, 0);
     exit_c(t);
   }
   uint64_t pc; /* read safely: a handler called as a function gets no ucontext */
@@ -2705,16 +2705,17 @@ static int hold_signal(BtThread *t, int sig, const uint8_t *info, const uint8_t 
                        const BtCopy *found, uint8_t *under);
 static const BtCopy *copy_holding(BtThread *t, uint64_t pc);
 
-static int signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out);
+static int signal_enter(BtThread *t, int forked, long sig, void *info, uint8_t *uc,
+                        uint64_t *out);
 
 /* Two signals pending as the thread goes back to user space are delivered at once, the
    second one's frame on top of the first one's, at its handler's entry: the signal stub's
    (interrupted_frame).  The first one's frame, when `uc` is such a second one's; else
    NULL. */
 static uint8_t *frame_under_stub_entry(const uint8_t *uc) {
-  uint64_t rip, rsp, pretcode;
-  if (!read_safely(uc + UC_RIP, &rip, 8) || rip != (uint64_t)bt_sigstub ||
-      !read_safely(uc + UC_RIP - 8, &rsp, 8) || !read_safely((const void *)rsp, &pretcode, 8) ||
+  uint64_t rip = *(const uint64_t *)(uc + UC_RIP), rsp = *(const uint64_t *)(uc + UC_RIP - 8);
+  uint64_t pretcode;
+  if (rip != (uint64_t)bt_sigstub || !read_safely((const void *)rsp, &pretcode, 8) ||
       pretcode != bt_fault_restorer())
     return NULL;
   return (uint8_t *)(rsp + 8);
@@ -2726,22 +2727,26 @@ static uint8_t *frame_under_stub_entry(const uint8_t *uc) {
    handler's first record when the handler runs traced; else at once, before the handler
    runs natively, as the kernel had it. */
 void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
-  BtThread *t = in_forked_child() ? NULL : current_thread();
+  /* once each: a system call each, dearer than the rest of the way in (a tracer's hook on
+     every system call, on some machines) */
+  int forked = in_forked_child();
+  BtThread *t = forked ? NULL : current_thread();
   int under_held = t != NULL && t->held_for_uc != 0 && t->held_for_uc == (uint64_t)uc;
   if (under_held)
     t->held_for_uc = 0;
-  if (!signal_enter(sig, info, uc, out) && under_held)
+  if (!signal_enter(t, forked, sig, info, uc, out) && under_held)
     settle_held_signal(t);
 }
 
-/* Whether the handler runs traced. */
-static int signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
+/* Whether the handler runs traced.  `t`: the thread (current_thread), NULL in a forked
+   child (`forked`). */
+static int signal_enter(BtThread *t, int forked, long sig, void *info, uint8_t *uc,
+                        uint64_t *out) {
   uint64_t handler = sig >= 1 && sig <= 64 ? stub_slot(BT_SIGSTUB_HANDLERS)[sig] : 0;
   out[0] = *stub_slot(BT_SIGSTUB_NATIVE_RET);
   out[1] = handler;
-  if (in_forked_child() || handler == 0)
+  if (forked || handler == 0)
     return 0;
-  BtThread *t = current_thread();
   if (t == NULL || t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
       g_atomic_int_add(&STATE->renewals_held, 0))
     return 0;
@@ -2753,8 +2758,8 @@ static int signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
     return 0;
   }
   enter_c(t);
-  if (!t->closed)
-    finish_interrupted_record(t, uc);
+  if (!t->closed) /* `uc`: the kernel's frame */
+    finish_interrupted_record(t, uc, 1);
   exit_c(t);
   uint64_t *rip = (uint64_t *)(uc + UC_RIP);
   uint8_t *under = frame_under_stub_entry(uc);
@@ -4456,16 +4461,26 @@ static int stub_pushed(uint64_t offset) {
   }
 }
 
-static uint8_t *interrupted_frame(uint8_t *uc) {
+/* `*kernels`: whether `uc` is a frame the kernel wrote (the stub's), which is read as it
+   is: read safely, each read is a system call (process_vm_readv: 1.4 us, 5.4 us with three
+   other threads busy, on this kind of VM), and a delivery made 7 or more of them.  A frame
+   from elsewhere (a handler's third argument, which a handler called as a function does
+   not get) is read safely, as is the stack under any.  One found under it is the kernel's. */
+static uint8_t *interrupted_frame(uint8_t *uc, int *kernels) {
   for (int depth = 0; uc != NULL && depth < BT_HANDLER_DEPTH; depth++) {
     uint64_t rip, rsp, pretcode;
     int pushed;
-    if (!read_safely(uc + UC_RIP, &rip, 8) || rip - (uint64_t)bt_sigstub > 24 ||
-        (pushed = stub_pushed(rip - (uint64_t)bt_sigstub)) < 0 ||
-        !read_safely(uc + UC_RIP - 8, &rsp, 8) ||
+    if (*kernels) {
+      rip = *(const uint64_t *)(uc + UC_RIP);
+      rsp = *(const uint64_t *)(uc + UC_RIP - 8);
+    } else if (!read_safely(uc + UC_RIP, &rip, 8) || !read_safely(uc + UC_RIP - 8, &rsp, 8)) {
+      return uc;
+    }
+    if (rip - (uint64_t)bt_sigstub > 24 || (pushed = stub_pushed(rip - (uint64_t)bt_sigstub)) < 0 ||
         !read_safely((void *)(rsp + pushed), &pretcode, 8) || pretcode != bt_fault_restorer())
       return uc;
     uc = (uint8_t *)(rsp + pushed + 8);
+    *kernels = 1;
   }
   return uc;
 }
@@ -4481,9 +4496,15 @@ static uint8_t *interrupted_frame(uint8_t *uc) {
    in a program's uninitialised local) leads to a frame whose registers do not hold `wp`,
    which finish_record_in then leaves alone. */
 #define BT_SIGSTUB_CALLED 26 /* the stub's return address from bt_signal_enter */
-static uint8_t *frame_of_stub_call(const uint8_t *uc) {
+static uint8_t *frame_of_stub_call(const uint8_t *uc, int kernels) {
   uint64_t rsp, words[64], pretcode;
-  if (uc == NULL || !read_safely(uc + UC_RIP - 8, &rsp, 8) || (rsp & 7) != 0)
+  if (uc == NULL)
+    return NULL;
+  if (kernels)
+    rsp = *(const uint64_t *)(uc + UC_RIP - 8);
+  else if (!read_safely(uc + UC_RIP - 8, &rsp, 8))
+    return NULL;
+  if ((rsp & 7) != 0)
     return NULL;
   uint64_t n = 4096 - (rsp & 4095); /* the next page may not be mapped */
   if (n > sizeof words)
@@ -4509,23 +4530,35 @@ static uint8_t *frame_of_stub_call(const uint8_t *uc) {
    resume after the write (the chunk check that follows sees the moved pointer).  Returns 1
    when it did.  The frame is only written when the code there is the sequence and the
    register holds what the sequence would hold at that point. */
-static int finish_record_in(BtThread *t, uint8_t *uc);
+static int finish_record_in(BtThread *t, uint8_t *uc, int kernels);
 
-static int finish_interrupted_record(BtThread *t, uint8_t *uc) {
-  uc = interrupted_frame(uc);
-  return finish_record_in(t, uc) || finish_record_in(t, frame_of_stub_call(uc));
+/* `kernels` as for interrupted_frame. */
+static int finish_interrupted_record(BtThread *t, uint8_t *uc, int kernels) {
+  uc = interrupted_frame(uc, &kernels);
+  return finish_record_in(t, uc, kernels) || finish_record_in(t, frame_of_stub_call(uc, kernels), 1);
 }
 
-static int finish_record_in(BtThread *t, uint8_t *uc) {
+static int finish_record_in(BtThread *t, uint8_t *uc, int kernels) {
   uint64_t gregs[17];
   uint8_t code[32] = {0}; /* the longest sequence tail is 26 bytes */
-  if (uc == NULL || !read_safely(uc + 40, gregs, sizeof gregs))
+  if (uc == NULL)
+    return 0;
+  if (kernels)
+    for (int i = 0; i < 17; i++)
+      gregs[i] = ((const uint64_t *)(uc + 40))[i];
+  else if (!read_safely(uc + 40, gregs, sizeof gregs))
     return 0;
   uint64_t rip = gregs[GREG_RIP];
   unsigned first = 4096 - (unsigned)(rip & 4095); /* the next page may not be mapped */
   if (first > sizeof code)
     first = sizeof code;
-  if (!read_safely((void *)rip, code, first))
+  int in_copies = 0; /* Stalker's slabs, which stay mapped and readable */
+  for (const BtCopyChunk *c = t->copies; c != NULL && !in_copies; c = c->prev)
+    in_copies = rip >= c->lo && rip < c->hi;
+  if (in_copies)
+    for (unsigned i = 0; i < first; i++)
+      code[i] = ((const uint8_t *)rip)[i];
+  else if (!read_safely((void *)rip, code, first))
     return 0;
   if (first < sizeof code)
     read_safely((void *)(rip + first), code + first, sizeof code - first);
