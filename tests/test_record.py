@@ -3501,6 +3501,12 @@ def test_timer_signals_landing_anywhere_leave_an_exact_readable_trace(tmp_path, 
     total, ticks, main_ticks = map(int, counts.split())
     assert total == n * (n - 1) // 2 and 100 < main_ticks <= ticks
     trace = TraceDir.open(tmp_path / "d")
+    # the runs on threads not traced (Frida's: the kernel gives a process's signal to any
+    # thread not blocking it) are counted, exactly, and said
+    off = ticks - main_ticks
+    assert trace.meta()["handlers_off_trace"] == off, res.stderr
+    said = "once" if off == 1 else f"{off:,} times"
+    assert off == 0 or f"signal handlers ran {said} on threads not traced" in res.stderr
     (tid,) = trace.threads()
     assert_counts_are_the_records(trace)
     assert calls_to(trace, tid, programs["alarm"], "f") == n

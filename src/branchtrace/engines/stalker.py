@@ -896,6 +896,9 @@ class _Recording:
         #: whether every agent under --follow-fork sealed Frida's loader against the
         #: injector's munmap() by a reused pid (injectorGuarded), or None if none said
         self.loader_sealed: bool | None = None
+        #: runs of the program's signal handlers on threads not traced (Frida's own), by
+        #: process (bt_note_off_trace)
+        self.handlers_off_trace: dict[int, int] = {}
         #: whether every agent found Gum's one-instruction disassembler and put its own in
         #: its place (bt_disassemble_at in stalker_agent.c), or None if none said
         self.gum_reader: bool | None = None
@@ -1428,6 +1431,9 @@ class _Recording:
                         self.loader_sealed = (
                             bool(event["sealed"]) and self.loader_sealed is not False
                         )
+                elif event.get("type") == "handlers-off-trace":
+                    n = int(event["n"])  # a count so far: noted at exit and at the end
+                    self.handlers_off_trace[pid] = max(n, self.handlers_off_trace.get(pid, 0))
                 elif event.get("type") == "frida-fault":
                     self.frida_faults.append({"pid": pid, **event})
                     del self.frida_faults[-1]["type"]
@@ -2445,6 +2451,13 @@ class StalkerEngine:
                     else ""
                 )
             )
+        if rec.handlers_off_trace:
+            runs = sum(rec.handlers_off_trace.values())
+            result.warnings.append(
+                f"signal handlers ran {'once' if runs == 1 else f'{runs:,} times'} on threads "
+                "not traced (Frida's own: the kernel gives a signal sent to the process to any "
+                "thread not blocking it); those runs are in no trace"
+            )
         if rec.traced_from == "main" and rec.init is not None:
             result.warnings.append(
                 "the trace starts at main: the executable's _init and constructors had run "
@@ -2459,6 +2472,7 @@ class StalkerEngine:
         meta["fork_signal_lock"] = rec.fork_signal_lock
         meta["injector_guard"] = rec.injector_guard
         meta["loader_sealed"] = rec.loader_sealed
+        meta["handlers_off_trace"] = sum(rec.handlers_off_trace.values())
         meta["frida_faults"] = rec.frida_faults
         meta["contexts_renewed"] = rec.contexts_renewed
         tracedir.write_meta(meta)

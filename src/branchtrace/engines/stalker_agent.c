@@ -2285,10 +2285,14 @@ static void on_exec_syscall(GumCpuContext *cpu, gpointer user_data) {
    closed, so that it ends like the ring of a thread that ended, its records counted as
    written.  The other threads that exit_group kills where they are leave their rings open,
    read as after a crash. */
+void bt_note_off_trace(void);
+
 static void on_exit_syscall(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
   if (in_forked_child())
     return;
+  if (cpu->rax == 231 /* exit_group */)
+    bt_note_off_trace();
   write_end(t, cpu);
   close_own_ring(t);
   if (cpu->rax == 60 /* exit */)
@@ -2610,6 +2614,7 @@ static int is_syscall_at(uint64_t address);
 #define BT_SIGSTUB_NATIVE_RET 4112 /* a `ret` of the stub's: to the handler, natively */
 #define BT_SIGSTUB_RESTORER_SYSCALL 4120 /* (restorer_syscall) */
 #define BT_SIGSTUB_SKIP 4128       /* back to the kernel, no handler run (hold_signal) */
+#define BT_SIGSTUB_OFF_TRACE 4136  /* handler runs on threads not traced (note_off_trace) */
 #define BT_SIGSTUB_HANDLERS 4160   /* the program's handler for each signal 1-64 */
 #define BT_SIGSTUB_MAGIC_VALUE 0x6274736967737462ULL
 #define SA_RESTORER_FLAG 0x04000000ULL
@@ -2747,7 +2752,11 @@ static int signal_enter(BtThread *t, int forked, long sig, void *info, uint8_t *
   out[1] = handler;
   if (forked || handler == 0)
     return 0;
-  if (t == NULL || t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
+  if (t == NULL) { /* one of Frida's threads, or one of the program's not traced */
+    g_atomic_int_add((int *)stub_slot(BT_SIGSTUB_OFF_TRACE), 1);
+    return 0;
+  }
+  if (t->closed || t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
       g_atomic_int_add(&STATE->renewals_held, 0))
     return 0;
   if (t->held_sig == sig) { /* delivered once for both, as a standard signal already
@@ -3642,6 +3651,24 @@ uint64_t bt_fault_restorer(void) {
    stdio and no malloc, whose locks a fork() under way in another thread holds (a note
    written through the script's File API left a program stuck now and then). */
 extern const char bt_notes_path[];
+
+static int put_text(char *out, int at, const char *text);
+static uint64_t *stub_slot(uint64_t offset);
+
+/* The kernel gives a signal sent to the process to any thread not blocking it, Frida's
+   too, and the program's handler then runs there, in no trace: counted by the signal stub
+   (signal_enter), noted as the process ends (its exit_group(), or the end of the
+   recording: the host keeps the largest count a process noted).  A process killed by a
+   signal notes none. */
+void bt_note_off_trace(void) {
+  uint32_t n = (uint32_t)g_atomic_int_add((int *)stub_slot(BT_SIGSTUB_OFF_TRACE), 0);
+  if (n == 0)
+    return;
+  char line[96];
+  int at = put_decimal(line, put_text(line, 0, "{\"type\": \"handlers-off-trace\", \"n\": "), n);
+  line[put_text(line, at, "}\n")] = 0;
+  bt_note(line);
+}
 
 void bt_note(const char *line) {
   int fd = open(bt_notes_path, 01 | 0100 | 02000 | 02000000 /* WRONLY|CREAT|APPEND|CLOEXEC */,

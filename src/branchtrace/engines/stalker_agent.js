@@ -1537,10 +1537,12 @@ function fridaHooks() {
 }
 
 let finished = null;
+const noteOffTrace = new NativeFunction(cm.bt_note_off_trace, 'void', []);
 function finish() {
   if (finished !== null) {
     return finished;
   }
+  noteOffTrace();
   unfollowAll();
   restoreGumReader();
   const asleep = [];
