@@ -2455,8 +2455,8 @@ class StalkerEngine:
             runs = sum(rec.handlers_off_trace.values())
             result.warnings.append(
                 f"signal handlers ran {'once' if runs == 1 else f'{runs:,} times'} on threads "
-                "not traced (Frida's own: the kernel gives a signal sent to the process to any "
-                "thread not blocking it); those runs are in no trace"
+                "outside the trace (Frida's own, mostly: the kernel gives a signal sent to the "
+                "process to any thread not blocking it)"
             )
         if rec.traced_from == "main" and rec.init is not None:
             result.warnings.append(

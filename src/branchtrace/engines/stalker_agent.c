@@ -2614,7 +2614,7 @@ static int is_syscall_at(uint64_t address);
 #define BT_SIGSTUB_NATIVE_RET 4112 /* a `ret` of the stub's: to the handler, natively */
 #define BT_SIGSTUB_RESTORER_SYSCALL 4120 /* (restorer_syscall) */
 #define BT_SIGSTUB_SKIP 4128       /* back to the kernel, no handler run (hold_signal) */
-#define BT_SIGSTUB_OFF_TRACE 4136  /* handler runs on threads not traced (note_off_trace) */
+#define BT_SIGSTUB_OFF_TRACE 4136  /* handler runs outside the trace (bt_note_off_trace) */
 #define BT_SIGSTUB_HANDLERS 4160   /* the program's handler for each signal 1-64 */
 #define BT_SIGSTUB_MAGIC_VALUE 0x6274736967737462ULL
 #define SA_RESTORER_FLAG 0x04000000ULL
