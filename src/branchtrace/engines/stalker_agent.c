@@ -2756,7 +2756,7 @@ static int signal_enter(BtThread *t, int forked, long sig, void *info, uint8_t *
     g_atomic_int_add((int *)stub_slot(BT_SIGSTUB_OFF_TRACE), 1);
     return 0;
   }
-  if (t->closed || t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
+  if (t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
       g_atomic_int_add(&STATE->renewals_held, 0))
     return 0;
   if (t->held_sig == sig) { /* delivered once for both, as a standard signal already
