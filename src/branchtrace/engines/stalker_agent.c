@@ -2732,8 +2732,8 @@ static uint8_t *frame_under_stub_entry(const uint8_t *uc) {
    handler's first record when the handler runs traced; else at once, before the handler
    runs natively, as the kernel had it. */
 void bt_signal_enter(long sig, void *info, uint8_t *uc, uint64_t *out) {
-  /* once each: a system call each, dearer than the rest of the way in (a tracer's hook on
-     every system call, on some machines) */
+  /* once each: a system call each, dearer than the rest of the way in where a BPF program
+     runs at every system call (this kind of VM) */
   int forked = in_forked_child();
   BtThread *t = forked ? NULL : current_thread();
   int under_held = t != NULL && t->held_for_uc != 0 && t->held_for_uc == (uint64_t)uc;
