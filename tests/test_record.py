@@ -1439,6 +1439,56 @@ def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, program
     assert 20 < calls < rounds - 20  # about 0.5 s of a 2 ms loop
 
 
+def test_attaching_leaves_the_main_threads_vector_registers_as_they_were(tmp_path, programs):
+    # Frida's injector loads the agent by running its loader's pthread_create() on the main
+    # thread, stopped wherever it was, and puts back only the general registers: vecfork's
+    # main thread, keeping known values in xmm3, xmm5 and ymm4 through its loop, saw them
+    # changed at each attach (1 round of 1).  The recorder now holds that thread in a stub
+    # of its own while Frida attaches, which puts its whole register state back (mainhold.py)
+    with attach_target(programs["vecfork"], "2", "1500000") as target:
+        time.sleep(0.3)
+        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.3", mode="wrap")
+        assert res.returncode == 0, res.stderr
+        out, _ = target.communicate(timeout=30)
+    assert target.returncode == 0 and out.endswith(
+        " rounds, 0 saw them changed, 2 children exited 0\n"
+    ), out
+    meta = TraceDir.open(tmp_path / "d").meta()
+    assert meta["main_thread_held"] is True, res.stderr
+
+
+def in_system_call(pid: int, numbers: set[int]) -> None:
+    """Wait until thread `pid` sits in one of the system calls `numbers`."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            if int(Path(f"/proc/{pid}/syscall").read_text().split()[0]) in numbers:
+                return
+        time.sleep(0.01)
+    pytest.fail(f"pid {pid} never entered system call {numbers}")
+
+
+def test_attached_inside_a_sleep_and_a_read_the_program_sleeps_and_reads_as_it_would(
+    tmp_path, programs
+):
+    # the main thread, held for the attach (above), leaves the system call it was in and
+    # goes back into it after: the stub restarts it as the kernel would have (a sleep with
+    # the time it had left, kept in the thread's restart block, which the stub's own waiting
+    # must not touch: a stub that waited with nanosleep() ended the program's sleep early)
+    with attach_target(programs["sleepfor"], "3", stdin=subprocess.PIPE) as target:
+        in_system_call(target.pid, {35, 230})  # nanosleep, clock_nanosleep
+        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.3", mode="wrap")
+        assert res.returncode == 0, res.stderr
+        assert TraceDir.open(tmp_path / "d").meta()["main_thread_held"] is True
+        in_system_call(target.pid, {0})  # read
+        res = record(tmp_path / "e", "-p", str(target.pid), "--duration", "0.3", mode="wrap")
+        assert res.returncode == 0, res.stderr
+        assert TraceDir.open(tmp_path / "e").meta()["main_thread_held"] is True
+        out, _ = target.communicate("hello\n", timeout=30)
+    slept = int(re.fullmatch(r"slept (\d+) ms, read: hello\n", out)[1])
+    assert target.returncode == 0 and 2990 <= slept < 3500, out
+
+
 def test_attached_from_another_directory_a_relative_output_is_the_tools(tmp_path, programs, spin):
     # the program's directory is not the tool's: its threads open their rings all the same
     res = subprocess.run(

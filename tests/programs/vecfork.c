@@ -1,7 +1,8 @@
 /* `vecfork FORKS PAUSE_US`: the main thread keeps known values in xmm3 and xmm5 (and, on
    a CPU with AVX, all 256 bits of ymm4) through rounds of 20 taken jumps with no call
    between, checking them after each round, while a second thread forks FORKS children,
-   PAUSE_US microseconds apart (each child _exit(0)s at once); then prints "ROUNDS rounds, M
+   PAUSE_US microseconds apart (each child _exit(0)s at once); says "ready" first, and then
+   "ROUNDS rounds, M
    saw them changed, C children exited 0" (Frida's injector runs code on the main thread
    after each fork() under child gating). */
 #include <pthread.h>
@@ -78,6 +79,8 @@ int main(int argc, char **argv) {
   }
   forks = atoi(argv[1]);
   pause_us = atoi(argv[2]);
+  printf("ready %d\n", getpid());
+  fflush(stdout);
   __builtin_cpu_init();
   pthread_t thread;
   if (pthread_create(&thread, NULL, forker, NULL) != 0)

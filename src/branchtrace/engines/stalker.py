@@ -83,6 +83,7 @@ from .forkwindow import (
     waits_in_frida,
 )
 from .fridatmp import remove_daemon_copies
+from .mainhold import MainThreadHold
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
@@ -961,6 +962,7 @@ class _Recording:
         before: set[str] | None = None,
         forked_from: int | None = None,
         key: int | None = None,
+        hold_page: tuple[int, int] | None = None,
     ) -> _Agent:
         """Load the agent into the process of `session`; raises if it does not start.  With
         `park` (--follow-fork) the agent parks a thread of its own, without which Frida drops
@@ -988,6 +990,7 @@ class _Recording:
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{agent.key}"),
             "spared": self._frida_fds_of(pid, before, forked_from),
             "signalLockOffset": self.signal_lock_offset,
+            "holdPage": [str(hold_page[0]), hold_page[1]] if hold_page else None,
         }
         agent.script = session.create_script(agent_script(params))
         agent.script.on("message", lambda message, data: self.on_message(agent, message))
@@ -2695,10 +2698,29 @@ class StalkerEngine:
         try:
             device = frida.get_local_device()
             own = set(_open_files(pid).values())
-            session = device.attach(pid)
+            hold = MainThreadHold.take(pid)
+            try:
+                session = device.attach(pid)
+            finally:
+                meta["main_thread_held"] = None if hold is None else hold.release()
+            if meta["main_thread_held"] is False:
+                rec._error(
+                    f"the main thread of pid {pid} had not left the recorder's stub 2 s after "
+                    "Frida attached (stopped?); it gets its registers back when it runs"
+                )
+            # the stub's page goes with the agent, once the thread has left it
+            hold_page = (hold.base, hold.size) if hold and meta["main_thread_held"] else None
             # at once: a session dropped while the agent loads is reported with its reason
             session.on("detached", on_detached)
-            agent = rec.load_agent(session, pid, False, None, park=options.follow_fork, before=own)
+            agent = rec.load_agent(
+                session,
+                pid,
+                False,
+                None,
+                park=options.follow_fork,
+                before=own,
+                hold_page=hold_page,
+            )
             guard.on()  # not while Frida's injector has the process stopped
             tids = agent.script.exports_sync.threads(_tasks(pid))
             paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}

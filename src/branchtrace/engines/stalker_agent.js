@@ -1536,6 +1536,18 @@ function fridaHooks() {
   return found;
 }
 
+// The page the recorder held the main thread in while Frida attached (mainhold.py): gone
+// with the agent, once the thread has left it (the stub's `done` word, at 0x208).
+function unmapHoldPage() {
+  if (PARAMS.holdPage === null) {
+    return;
+  }
+  const [base, size] = PARAMS.holdPage;
+  if (!ptr(base).add(0x208).readU64().equals(0)) {
+    new NativeFunction(libc('munmap'), 'int', ['pointer', 'size_t'])(ptr(base), size);
+  }
+}
+
 let finished = null;
 const noteOffTrace = new NativeFunction(cm.bt_note_off_trace, 'void', []);
 function finish() {
@@ -1562,6 +1574,7 @@ function finish() {
   holdForks(0); // else a fork() held as the host went away would wait for good
   ungateForks();
   holdReturns(0);
+  unmapHoldPage();
   finished = { farBlocks: far, stillInFork, asleep };
   return finished;
 }

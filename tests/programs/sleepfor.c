@@ -1,0 +1,22 @@
+/* `sleepfor SECONDS`: says "ready", sleeps SECONDS in one nanosleep(), then reads a line
+   from stdin, and prints how long the sleep took in milliseconds and the line read
+   ("slept 3000 ms, read: hello").  An attach target stopped inside a system call: the
+   sleep and the read must go on as if nothing had stopped them. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+int main(int argc, char **argv) {
+  struct timespec want = {argc > 1 ? atoi(argv[1]) : 3, 0}, a, b;
+  char line[64] = {0};
+  printf("ready %d\n", getpid());
+  fflush(stdout);
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  nanosleep(&want, NULL);
+  clock_gettime(CLOCK_MONOTONIC, &b);
+  ssize_t n = read(0, line, sizeof line - 1);
+  long ms = (b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000;
+  printf("slept %ld ms, read: %s", ms, n > 0 ? line : "(nothing)\n");
+  return 0;
+}
