@@ -1489,6 +1489,19 @@ def test_attached_inside_a_sleep_and_a_read_the_program_sleeps_and_reads_as_it_w
     assert target.returncode == 0 and 2990 <= slept < 3500, out
 
 
+def test_a_program_under_a_seccomp_filter_is_attached_without_holding_its_main_thread(
+    tmp_path, programs
+):
+    # the stub's select() and kill() might be what a program's filter kills it for
+    with attach_target(programs["sleepfor"], "1", "seccomp", stdin=subprocess.PIPE) as target:
+        in_system_call(target.pid, {35, 230})
+        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.3", mode="wrap")
+        assert res.returncode == 0, res.stderr
+        assert TraceDir.open(tmp_path / "d").meta()["main_thread_held"] is None
+        out, _ = target.communicate("hello\n", timeout=30)
+    assert target.returncode == 0 and out.endswith(" ms, read: hello\n"), out
+
+
 def test_attached_from_another_directory_a_relative_output_is_the_tools(tmp_path, programs, spin):
     # the program's directory is not the tool's: its threads open their rings all the same
     res = subprocess.run(

@@ -70,9 +70,10 @@ class MainThreadHold:
     @classmethod
     def take(cls, pid: int) -> MainThreadHold | None:
         """Hold the main thread, or None when it cannot be (then Frida attaches as before):
-        a process stopped, a main thread gone, another tracer (Frida then says so), no XSAVE."""
+        a process stopped, a main thread gone, another tracer (Frida then says so), no XSAVE,
+        or a seccomp filter, which might kill the process for the stub's select() or kill()."""
         stat = proc_stat(pid)
-        if stat is None or stat[0] in "TtZXx":
+        if stat is None or stat[0] in "TtZXx" or _seccomp(pid) != 0:
             return None
         try:
             ptrace.call(ptrace.PTRACE_SEIZE, pid, 0, 0)
@@ -150,6 +151,18 @@ def _stopped(tid: int, pending: list[int]) -> bool:
         pending.append(sig)  # a signal-delivery stop: the interrupt's comes next
         ptrace.call(ptrace.PTRACE_INTERRUPT, tid)
         ptrace.call(ptrace.PTRACE_CONT, tid, 0, 0)
+
+
+def _seccomp(pid: int) -> int:
+    """The main thread's seccomp mode (0: none), -1 when unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Seccomp:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return -1
 
 
 def _detach(tid: int, pending: list[int]) -> None:
