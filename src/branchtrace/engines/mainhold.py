@@ -21,8 +21,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import time
+
+import numpy as np
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
 
 from . import ptrace
 from .forkwindow import proc_stat
@@ -40,23 +45,31 @@ SYS_RESTART_SYSCALL, SYS_MMAP = 219, 9
 #               jrcxz release
 #               mov qword [rip+tv_usec], 1000; mov eax, 23 (select); mov edi, 0; mov esi, 0
 #               mov edx, 0; mov r10d, 0; lea r8, [rip+tv_sec]; syscall; jmp wait
-#   release:    mov eax, -1; mov edx, -1; xrstor64 [rip+area]
+#   release:    lea rsp, [rsp-128]                              ; past the program's red zone
+#   landing:    16 x nop                                        ; the agent's hook: follow
+#               mov eax, -1; mov edx, -1; xrstor64 [rip+area]
 #               mov rax/rcx/rdx/rsi/rdi/r8/r10/r11, [rip+s_...]
-#               mov qword [rip+done], 1; jmp [rip+target]
+#               mov qword [rip+done], 1; lea rsp, [rsp+128]; jmp [rip+target]
 # No instruction of it changes the flags (lea, mov, jrcxz; syscall gives them back), and
-# it never touches the stack: the program's red zone stays as it was.
+# it never writes the stack: the program's red zone stays as it was, also under the hook
+# at `landing`, where the agent has the thread follow itself into Stalker (the vector
+# state goes back after the hook, whose JavaScript may change it).
 STUB = bytes.fromhex(
     "488b0df9010000e302eb5db83e000000488b3d01020000be000000000f05488d4803e344488b0df5"
     "010000488d49ff48890dea010000e33048c705ed010000e8030000b817000000bf00000000be0000"
-    "0000ba0000000041ba000000004c8d05c40100000f05eb98b8ffffffffbaffffffff480fae2d8603"
-    "0000488b05b7010000488b0db8010000488b15b9010000488b35ba010000488b3dbb0100004c8b05"
-    "bc0100004c8b15bd0100004c8b1dbe01000048c7054b01000001000000ff254d010000"
+    "0000ba0000000041ba000000004c8d05c40100000f05eb98488d64248090909090909090909090909"
+    "090909090b8ffffffffbaffffffff480fae2d71030000488b05a2010000488b0da3010000488b15a4"
+    "010000488b35a5010000488b3da60100004c8b05a70100004c8b15a80100004c8b1da901000048c7"
+    "053601000001000000488da42480000000ff2530010000"
 )
+LANDING = 0x6D  #: 16 nops: where the agent hooks the thread's way out (stalker_agent.js)
 FLAG, DONE, TARGET, HOST_PID, COUNTDOWN, TV_SEC, TV_USEC = (0x200 + 8 * i for i in range(7))
 SAVED = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r10", "r11")  # from 0x238 on, in order
 SAVED_AT = 0x238
 AREA = 0x400  #: the XSAVE image: XRSTOR wants it 64-byte aligned
 COUNTDOWN_ROUNDS = 30_000  #: rounds of 1 ms before the stub lets go by itself
+LIBC = re.compile(r"libc(\.so.*|-[\d.]+\.so)")  #: libc.so.6, libc-2.31.so
+STACK_SCAN = 64 * 1024  #: how much of the stack is looked through for fork()'s frame
 
 
 class MainThreadHold:
@@ -85,6 +98,8 @@ class MainThreadHold:
             if not _stopped(pid, pending):
                 return None  # a group stop under way (job control): leave it to it
             regs = ptrace.getregs(pid)
+            if _maybe_inside_fork(pid, regs.rsp):
+                return None  # the agent follows it where its fork() returns, from outside
             xstate = _xstate(pid)
             gadget = _syscall_instruction(pid)
             if xstate is None or gadget is None:
@@ -151,6 +166,43 @@ def _stopped(tid: int, pending: list[int]) -> bool:
         pending.append(sig)  # a signal-delivery stop: the interrupt's comes next
         ptrace.call(ptrace.PTRACE_INTERRUPT, tid)
         ptrace.call(ptrace.PTRACE_CONT, tid, 0, 0)
+
+
+def _maybe_inside_fork(pid: int, sp: int) -> bool:
+    """Whether the stack above `sp` holds a return address into the C library's fork():
+    a thread inside a fork() that began before the agent's hook is followed where that
+    fork() returns (stalker_agent.js, findForksBegunBefore), which looks for fork()'s frame
+    from the thread's pc, and cannot from the stub's.  A stale word there only costs the
+    hold."""
+    code = _fork_code(pid)
+    if code is None:
+        return False
+    try:
+        stack = _read(pid, sp, STACK_SCAN)  # short near the stack's top
+    except OSError:
+        return False
+    words = np.frombuffer(stack[: len(stack) // 8 * 8], dtype="<u8")
+    return bool(((words >= code[0]) & (words < code[1])).any())
+
+
+def _fork_code(pid: int) -> tuple[int, int] | None:
+    """[start, end) of fork() in the C library `pid` has mapped, or None."""
+    with open(f"/proc/{pid}/maps") as maps:
+        fields = [line.split() for line in maps]
+    libc = [f for f in fields if len(f) == 6 and LIBC.fullmatch(os.path.basename(f[5]))]
+    if not libc:
+        return None
+    base = min(int(f[0].split("-")[0], 16) - int(f[2], 16) for f in libc)
+    try:
+        with open(f"/proc/{pid}/root{libc[0][5]}", "rb") as f:
+            dynsym = ELFFile(f).get_section_by_name(".dynsym")
+            found = dynsym.get_symbol_by_name("fork") if dynsym is not None else None
+            symbol = found[0] if found else None
+            if symbol is None or symbol["st_size"] == 0:
+                return None
+            return base + symbol["st_value"], base + symbol["st_value"] + symbol["st_size"]
+    except (OSError, ELFError):
+        return None
 
 
 def _seccomp(pid: int) -> int:
