@@ -28,6 +28,7 @@ import time
 import numpy as np
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 
 from . import ptrace
 from .forkwindow import proc_stat
@@ -196,7 +197,9 @@ def _fork_code(pid: int) -> tuple[int, int] | None:
     try:
         with open(f"/proc/{pid}/root{libc[0][5]}", "rb") as f:
             dynsym = ELFFile(f).get_section_by_name(".dynsym")
-            found = dynsym.get_symbol_by_name("fork") if dynsym is not None else None
+            if not isinstance(dynsym, SymbolTableSection):
+                return None
+            found = dynsym.get_symbol_by_name("fork")
             symbol = found[0] if found else None
             if symbol is None or symbol["st_size"] == 0:
                 return None
