@@ -1,5 +1,6 @@
-"""Holding a process's main thread in a stub of ours while Frida attaches, so that its vector
-registers come out of the attach as they went in.
+"""Holding a process's main thread in a stub of ours while Frida attaches and the agent
+comes in, so that its registers come out of the attach as they went in, and so that it
+follows itself into Stalker on its way out.
 
 Frida's injector loads the agent by stopping the main thread wherever it is and running its
 loader there, which calls the C library's `pthread_create()`; it puts back the general
@@ -8,12 +9,15 @@ computed with them at that moment went on with whatever the loader left (`vecfor
 1 round in 1 changed at each attach).  So before Frida comes in, the recorder stops the main
 thread itself (ptrace), keeps its whole register state (XSAVE image and general registers),
 and sends it to a stub in a page of its own: the stub waits (select() for 1 ms at a time,
-which leaves the thread's restart block alone) until the recorder says Frida is done, then
-puts the XSAVE image back (XRSTOR), the general registers it used, and jumps back where the
-thread was, restarting the system call it was in as the kernel would have.  Frida's
-injector stops the thread inside the stub instead, and what its loader changes is thrown
-away.  The stub lets go by itself when the recorder is gone (kill(pid, 0) says ESRCH) or
-after about 30 s, with the state it kept, which is still the thread's own.
+which leaves the thread's restart block alone) until the recorder lets it go, then passes
+`landing`, where the agent has hooked it to follow itself (Frida follows another thread
+from a helper that ptraces it, which loses to a program's frequent signals), puts the XSAVE
+image back (XRSTOR), the general registers it used, and jumps back where the thread was,
+restarting the system call it was in as the kernel would have.  Frida's injector stops the
+thread inside the stub instead, and what its loader changes is thrown away.  The stub lets
+go by itself when the recorder is gone (kill(pid, 0) says ESRCH) or after about 30 s, with
+the state it kept, which is still the thread's own.  A thread with fork()'s frame on its
+stack is not held: the agent follows it where that fork() returns, found from its own pc.
 """
 
 from __future__ import annotations
