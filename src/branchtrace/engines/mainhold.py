@@ -143,8 +143,9 @@ class MainThreadHold:
         page[AREA : AREA + len(xstate)] = xstate
         return bytes(page)
 
-    def release(self, timeout: float = 2.0) -> bool:
-        """Let the thread go on, its registers as they were; whether it did within `timeout`."""
+    def release(self, timeout: float = 2.0) -> bool | None:
+        """Let the thread go on, its registers as they were; whether it did within `timeout`
+        (None: the process is gone)."""
         with contextlib.suppress(OSError):
             _write(self.pid, self.base + FLAG, (1).to_bytes(8, "little"))
         deadline = time.monotonic() + timeout
@@ -153,7 +154,7 @@ class MainThreadHold:
                 if _read(self.pid, self.base + DONE, 8) != bytes(8):
                     return True
             except OSError:
-                return False  # the process is gone
+                return None
             time.sleep(0.001)
         return False
 

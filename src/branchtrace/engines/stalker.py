@@ -3174,17 +3174,18 @@ def _ending(pid: int) -> bool:
 
 def _let_main_go(hold: MainThreadHold | None, meta: dict[str, Any], rec: _Recording) -> bool:
     """The main thread, held in the recorder's stub while Frida attached and the agent came
-    in (mainhold.py), let go (once): whether it left the stub."""
+    in (mainhold.py), let go (once): whether it left the stub (not when the process is
+    gone meanwhile)."""
     if hold is None or "main_thread_held" in meta:
         meta.setdefault("main_thread_held", None)
         return False
     meta["main_thread_held"] = left = hold.release()
-    if not left:
+    if left is False:
         rec._error(
             f"the main thread of pid {hold.pid} had not left the recorder's stub 2 s after it "
             "was let go (stopped?); it gets its registers back, and is traced, when it runs"
         )
-    return left
+    return bool(left)
 
 
 class _StopGuard:
