@@ -48,19 +48,6 @@ def test_the_stub_changes_no_flag_and_no_register_it_does_not_put_back():
             if op.type == x86.X86_OP_REG and op.access & capstone.CS_AC_WRITE:
                 written.add(insn.reg_name(op.reg))
     widened = {"eax": "rax", "edx": "rdx", "esi": "rsi", "edi": "rdi", "r10d": "r10"}
-    assert {widened.get(r, r) for r in written} <= {*mainhold.SAVED, "rsp"}
-    moves = [
-        i.disp for i in (insn.operands[1].mem for insn in insns if insn.op_str.startswith("rsp"))
-    ]
-    assert moves == [-128, 128]  # the red zone left alone, and rsp as it was
+    assert {widened.get(r, r) for r in written} <= set(mainhold.SAVED)
     assert all(rip_relative(i) != mainhold.AREA or i.id == x86.X86_INS_XRSTOR64 for i in insns)
     assert insns[-1].mnemonic == "jmp" and rip_relative(insns[-1]) == mainhold.TARGET
-
-
-def test_the_hook_lands_on_sixteen_nops_below_the_red_zone():
-    insns = stub_instructions()
-    at = [i.address for i in insns].index(mainhold.LANDING)
-    assert insns[at - 1].mnemonic == "lea" and insns[at - 1].op_str == "rsp, [rsp - 0x80]"
-    assert [i.mnemonic for i in insns[at : at + 16]] == ["nop"] * 16
-    restore = [i.id for i in insns[at + 16 :]]
-    assert restore[:3] == [x86.X86_INS_MOV, x86.X86_INS_MOV, x86.X86_INS_XRSTOR64]

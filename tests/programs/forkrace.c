@@ -5,13 +5,10 @@
    PREPARE_MS (1000) first, so the agent goes on loading while this fork() is under way.
    Then ROUNDS (10) more forks, 50 ms apart, each without the sleep.  Each child calls f 3
    times and exits 0; the parent calls f once per fork.  Prints how many children exited 0
-   and how many times it called f; exits 2 if the slot did not change within 60 s, 3 if fork@plt is not as expected.
-   `forkrace PREPARE_MS ROUNDS thread`: all that on a second thread, the main thread waiting
-   for it (an attach holds the main thread while the agent loads: mainhold.py). */
+   and how many times it called f; exits 2 if the slot did not change within 60 s, 3 if fork@plt is not as expected. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -31,14 +28,14 @@ static void slow_prepare(void) {
     sleep_ms(prepare_ms);
 }
 
-static int rounds = 10;
-
-static void *race(void *unused) {
-  (void)unused;
+int main(int argc, char **argv) {
+  if (argc > 1)
+    prepare_ms = atol(argv[1]);
+  int rounds = argc > 2 ? atoi(argv[2]) : 10;
   unsigned char *plt;
   __asm__("lea fork@PLT(%%rip), %0" : "=r"(plt));
   if (plt[0] != 0xff || plt[1] != 0x25) /* jmp *disp32(%rip) */
-    exit(3);
+    return 3;
   void *volatile *slot = (void *volatile *)(plt + 6 + *(int *)(plt + 2));
   void *native = *slot;
   pthread_atfork(slow_prepare, NULL, NULL);
@@ -49,7 +46,7 @@ static void *race(void *unused) {
   while (*slot == native) {
     clock_gettime(CLOCK_MONOTONIC, &now);
     if (now.tv_sec - start.tv_sec > 60)
-      exit(2);
+      return 2;
   }
   int ok = 0, calls = 0;
   for (int round = 0; round <= rounds; round++) {
@@ -68,20 +65,5 @@ static void *race(void *unused) {
     sleep_ms(50);
   }
   printf("%d %d\n", ok, calls);
-  return NULL;
-}
-
-int main(int argc, char **argv) {
-  if (argc > 1)
-    prepare_ms = atol(argv[1]);
-  if (argc > 2)
-    rounds = atoi(argv[2]);
-  if (argc > 3 && strcmp(argv[3], "thread") == 0) {
-    pthread_t thread;
-    if (pthread_create(&thread, NULL, race, NULL) != 0 || pthread_join(thread, NULL) != 0)
-      return 4;
-  } else {
-    race(NULL);
-  }
   return 0;
 }

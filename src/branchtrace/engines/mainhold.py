@@ -1,6 +1,5 @@
-"""Holding a process's main thread in a stub of ours while Frida attaches and the agent
-comes in, so that its registers come out of the attach as they went in, and so that it
-follows itself into Stalker on its way out.
+"""Holding a process's main thread in a stub of ours while Frida attaches, so that its vector
+registers come out of the attach as they went in.
 
 Frida's injector loads the agent by stopping the main thread wherever it is and running its
 loader there, which calls the C library's `pthread_create()`; it puts back the general
@@ -9,15 +8,12 @@ computed with them at that moment went on with whatever the loader left (`vecfor
 1 round in 1 changed at each attach).  So before Frida comes in, the recorder stops the main
 thread itself (ptrace), keeps its whole register state (XSAVE image and general registers),
 and sends it to a stub in a page of its own: the stub waits (select() for 1 ms at a time,
-which leaves the thread's restart block alone) until the recorder lets it go, then passes
-`landing`, where the agent has hooked it to follow itself (Frida follows another thread
-from a helper that ptraces it, which loses to a program's frequent signals), puts the XSAVE
-image back (XRSTOR), the general registers it used, and jumps back where the thread was,
-restarting the system call it was in as the kernel would have.  Frida's injector stops the
-thread inside the stub instead, and what its loader changes is thrown away.  The stub lets
-go by itself when the recorder is gone (kill(pid, 0) says ESRCH) or after about 30 s, with
-the state it kept, which is still the thread's own.  A thread with fork()'s frame on its
-stack is not held: the agent follows it where that fork() returns, found from its own pc.
+which leaves the thread's restart block alone) until the recorder says Frida is done, then
+puts the XSAVE image back (XRSTOR), the general registers it used, and jumps back where the
+thread was, restarting the system call it was in as the kernel would have.  Frida's
+injector stops the thread inside the stub instead, and what its loader changes is thrown
+away.  The stub lets go by itself when the recorder is gone (kill(pid, 0) says ESRCH) or
+after about 30 s, with the state it kept, which is still the thread's own.
 """
 
 from __future__ import annotations
@@ -25,14 +21,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import signal
 import time
-
-import numpy as np
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
 
 from . import ptrace
 from .forkwindow import proc_stat
@@ -50,31 +40,23 @@ SYS_RESTART_SYSCALL, SYS_MMAP = 219, 9
 #               jrcxz release
 #               mov qword [rip+tv_usec], 1000; mov eax, 23 (select); mov edi, 0; mov esi, 0
 #               mov edx, 0; mov r10d, 0; lea r8, [rip+tv_sec]; syscall; jmp wait
-#   release:    lea rsp, [rsp-128]                              ; past the program's red zone
-#   landing:    16 x nop                                        ; the agent's hook: follow
-#               mov eax, -1; mov edx, -1; xrstor64 [rip+area]
+#   release:    mov eax, -1; mov edx, -1; xrstor64 [rip+area]
 #               mov rax/rcx/rdx/rsi/rdi/r8/r10/r11, [rip+s_...]
-#               mov qword [rip+done], 1; lea rsp, [rsp+128]; jmp [rip+target]
+#               mov qword [rip+done], 1; jmp [rip+target]
 # No instruction of it changes the flags (lea, mov, jrcxz; syscall gives them back), and
-# it never writes the stack: the program's red zone stays as it was, also under the hook
-# at `landing`, where the agent has the thread follow itself into Stalker (the vector
-# state goes back after the hook, whose JavaScript may change it).
+# it never touches the stack: the program's red zone stays as it was.
 STUB = bytes.fromhex(
     "488b0df9010000e302eb5db83e000000488b3d01020000be000000000f05488d4803e344488b0df5"
     "010000488d49ff48890dea010000e33048c705ed010000e8030000b817000000bf00000000be0000"
-    "0000ba0000000041ba000000004c8d05c40100000f05eb98488d64248090909090909090909090909"
-    "090909090b8ffffffffbaffffffff480fae2d71030000488b05a2010000488b0da3010000488b15a4"
-    "010000488b35a5010000488b3da60100004c8b05a70100004c8b15a80100004c8b1da901000048c7"
-    "053601000001000000488da42480000000ff2530010000"
+    "0000ba0000000041ba000000004c8d05c40100000f05eb98b8ffffffffbaffffffff480fae2d8603"
+    "0000488b05b7010000488b0db8010000488b15b9010000488b35ba010000488b3dbb0100004c8b05"
+    "bc0100004c8b15bd0100004c8b1dbe01000048c7054b01000001000000ff254d010000"
 )
-LANDING = 0x6D  #: 16 nops: where the agent hooks the thread's way out (stalker_agent.js)
 FLAG, DONE, TARGET, HOST_PID, COUNTDOWN, TV_SEC, TV_USEC = (0x200 + 8 * i for i in range(7))
 SAVED = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r10", "r11")  # from 0x238 on, in order
 SAVED_AT = 0x238
 AREA = 0x400  #: the XSAVE image: XRSTOR wants it 64-byte aligned
 COUNTDOWN_ROUNDS = 30_000  #: rounds of 1 ms before the stub lets go by itself
-LIBC = re.compile(r"libc(\.so.*|-[\d.]+\.so)")  #: libc.so.6, libc-2.31.so
-STACK_SCAN = 64 * 1024  #: how much of the stack is looked through for fork()'s frame
 
 
 class MainThreadHold:
@@ -103,8 +85,6 @@ class MainThreadHold:
             if not _stopped(pid, pending):
                 return None  # a group stop under way (job control): leave it to it
             regs = ptrace.getregs(pid)
-            if _maybe_inside_fork(pid, regs.rsp):
-                return None  # the agent follows it where its fork() returns, from outside
             xstate = _xstate(pid)
             gadget = _syscall_instruction(pid)
             if xstate is None or gadget is None:
@@ -172,45 +152,6 @@ def _stopped(tid: int, pending: list[int]) -> bool:
         pending.append(sig)  # a signal-delivery stop: the interrupt's comes next
         ptrace.call(ptrace.PTRACE_INTERRUPT, tid)
         ptrace.call(ptrace.PTRACE_CONT, tid, 0, 0)
-
-
-def _maybe_inside_fork(pid: int, sp: int) -> bool:
-    """Whether the stack above `sp` holds a return address into the C library's fork():
-    a thread inside a fork() that began before the agent's hook is followed where that
-    fork() returns (stalker_agent.js, findForksBegunBefore), which looks for fork()'s frame
-    from the thread's pc, and cannot from the stub's.  A stale word there only costs the
-    hold."""
-    code = _fork_code(pid)
-    if code is None:
-        return False
-    try:
-        stack = _read(pid, sp, STACK_SCAN)  # short near the stack's top
-    except OSError:
-        return False
-    words = np.frombuffer(stack[: len(stack) // 8 * 8], dtype="<u8")
-    return bool(((words >= code[0]) & (words < code[1])).any())
-
-
-def _fork_code(pid: int) -> tuple[int, int] | None:
-    """[start, end) of fork() in the C library `pid` has mapped, or None."""
-    with open(f"/proc/{pid}/maps") as maps:
-        fields = [line.split() for line in maps]
-    libc = [f for f in fields if len(f) == 6 and LIBC.fullmatch(os.path.basename(f[5]))]
-    if not libc:
-        return None
-    base = min(int(f[0].split("-")[0], 16) - int(f[2], 16) for f in libc)
-    try:
-        with open(f"/proc/{pid}/root{libc[0][5]}", "rb") as f:
-            dynsym = ELFFile(f).get_section_by_name(".dynsym")
-            if not isinstance(dynsym, SymbolTableSection):
-                return None
-            found = dynsym.get_symbol_by_name("fork")
-            symbol = found[0] if found else None
-            if symbol is None or symbol["st_size"] == 0:
-                return None
-            return base + symbol["st_value"], base + symbol["st_value"] + symbol["st_size"]
-    except (OSError, ELFError):
-        return None
 
 
 def _seccomp(pid: int) -> int:

@@ -83,7 +83,7 @@ from .forkwindow import (
     waits_in_frida,
 )
 from .fridatmp import remove_daemon_copies
-from .mainhold import LANDING, MainThreadHold
+from .mainhold import MainThreadHold
 from .procevents import ExitWatcher, describe
 from .sched import SwitchRecorder
 
@@ -962,7 +962,7 @@ class _Recording:
         before: set[str] | None = None,
         forked_from: int | None = None,
         key: int | None = None,
-        hold_page: tuple[int, int, int] | None = None,
+        hold_page: tuple[int, int] | None = None,
     ) -> _Agent:
         """Load the agent into the process of `session`; raises if it does not start.  With
         `park` (--follow-fork) the agent parks a thread of its own, without which Frida drops
@@ -971,9 +971,7 @@ class _Recording:
         `init`: a spawned program's init_offset, where tracing starts.  `before`: what the
         process had open before Frida came in (_open_files); `forked_from`: else, the
         parent of the forked child it is.  `key`: the process's key in the recording, when
-        it is not `pid` (an exec'ed image, a child given an earlier process's pid).
-        `hold_page`: (base, size, landing) of the stub the main thread is held in
-        (mainhold.py), where the agent has it follow itself."""
+        it is not `pid` (an exec'ed image, a child given an earlier process's pid)."""
         agent = _Agent(pid, key)
         if spawn and key is None:
             self.init = init
@@ -992,7 +990,7 @@ class _Recording:
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{agent.key}"),
             "spared": self._frida_fds_of(pid, before, forked_from),
             "signalLockOffset": self.signal_lock_offset,
-            "holdPage": [str(hold_page[0]), *hold_page[1:]] if hold_page else None,
+            "holdPage": [str(hold_page[0]), hold_page[1]] if hold_page else None,
         }
         agent.script = session.create_script(agent_script(params))
         agent.script.on("message", lambda message, data: self.on_message(agent, message))
@@ -2697,12 +2695,21 @@ class StalkerEngine:
             gone.set()
 
         guard = _StopGuard(pid, rec)
-        hold: MainThreadHold | None = None
         try:
             device = frida.get_local_device()
             own = set(_open_files(pid).values())
-            hold = MainThreadHold.take(pid)  # let go once its thread follows itself
-            session = device.attach(pid)
+            hold = MainThreadHold.take(pid)
+            try:
+                session = device.attach(pid)
+            finally:
+                meta["main_thread_held"] = None if hold is None else hold.release()
+            if meta["main_thread_held"] is False:
+                rec._error(
+                    f"the main thread of pid {pid} had not left the recorder's stub 2 s after "
+                    "Frida attached (stopped?); it gets its registers back when it runs"
+                )
+            # the stub's page goes with the agent, once the thread has left it
+            hold_page = (hold.base, hold.size) if hold and meta["main_thread_held"] else None
             # at once: a session dropped while the agent loads is reported with its reason
             session.on("detached", on_detached)
             agent = rec.load_agent(
@@ -2712,14 +2719,13 @@ class StalkerEngine:
                 None,
                 park=options.follow_fork,
                 before=own,
-                hold_page=None if hold is None else (hold.base, hold.size, LANDING),
+                hold_page=hold_page,
             )
             guard.on()  # not while Frida's injector has the process stopped
             tids = agent.script.exports_sync.threads(_tasks(pid))
             paths = {str(tid): str(rec.add_thread(tid, pid)) for tid in tids}
         except Exception as e:
             guard.off()
-            _let_main_go(hold, meta, rec)
             _settle_forks(pid, under_frida, events)
             if isinstance(e, BranchtraceError):
                 raise
@@ -2745,8 +2751,6 @@ class StalkerEngine:
                 gating = hold_children
             with _forks_held(agent, tids, gating):
                 untraced = agent.script.exports_sync.follow_all(paths, True)
-            if _let_main_go(hold, meta, rec):
-                meta["main_followed_in_place"] = agent.script.exports_sync.main_landed()
             guard.off()
             for tid, why in untraced.items():
                 rec.untraced_threads.append({"pid": pid, "tid": int(tid), "start": why})
@@ -2755,7 +2759,6 @@ class StalkerEngine:
                 under_frida.attached(follow_new=True)
         except frida.InvalidOperationError as e:  # "script has been destroyed"
             guard.off()
-            _let_main_go(hold, meta, rec)
             # Frida dropped the session as tracing started, as it could later on (README,
             # fork): a program that runs on keeps what was traced, as after a later drop
             if not (gone.wait(1) and _running(pid)):
@@ -2769,7 +2772,6 @@ class StalkerEngine:
                 ) from None
         except AgentTimeoutError:  # seen once: Frida's ptrace helper stuck reading registers
             guard.off()
-            _let_main_go(hold, meta, rec)
             if forks is not None:
                 forks.close()
             _settle_forks(pid, under_frida, events)
@@ -3170,22 +3172,6 @@ def _ending(pid: int) -> bool:
     except OSError:
         return False
     return "\nCoreDumping:\t1" in status or "\nCoreDumping:" not in status
-
-
-def _let_main_go(hold: MainThreadHold | None, meta: dict[str, Any], rec: _Recording) -> bool:
-    """The main thread, held in the recorder's stub while Frida attached and the agent came
-    in (mainhold.py), let go (once): whether it left the stub (not when the process is
-    gone meanwhile)."""
-    if hold is None or "main_thread_held" in meta:
-        meta.setdefault("main_thread_held", None)
-        return False
-    meta["main_thread_held"] = left = hold.release()
-    if left is False:
-        rec._error(
-            f"the main thread of pid {hold.pid} had not left the recorder's stub 2 s after it "
-            "was let go (stopped?); it gets its registers back, and is traced, when it runs"
-        )
-    return bool(left)
 
 
 class _StopGuard:

@@ -2,7 +2,7 @@
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
 // PARAMS is prepended by the host: {cSource, mainRing, spawn, forkStub, initOffset, park,
-// followFork, triggers, snapshots, notesPath, spared, signalLockOffset, holdPage}.
+// followFork, triggers, snapshots, notesPath, spared, signalLockOffset}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Where this script's hooks are (leaveStalker).
@@ -1355,8 +1355,6 @@ rpc.exports = {
         const why = running ? forksBegunBefore.get(id) : undefined;
         if (outOfFork.delete(id)) {
           returning.set(id, path); // followed where it waits
-        } else if (why === undefined && id === Process.id && holdPage !== null) {
-          holdMainAtLanding(path); // held in the recorder's stub: it follows itself there
         } else if (why === undefined) {
           follow(id, path);
         } else if (why === null) {
@@ -1369,20 +1367,6 @@ rpc.exports = {
     holdReturns(0);
     observeEndsOfForksBegunBefore(false);
     return untraced;
-  },
-  // After the recorder let the main thread go from its stub (holdMainAtLanding): whether it
-  // followed itself there; if not, it is followed as any other thread.
-  mainLanded() {
-    if (landing === null) {
-      return null;
-    }
-    dropLanding();
-    if (!landing.landed) {
-      landing.landed = true;
-      follow(Process.id, landing.path);
-      return false;
-    }
-    return true;
   },
   // Ends the recording: {farBlocks, stillInFork: tids never out of their fork(), asleep:
   // tids that have not run since (leftStalker)}.
@@ -1552,44 +1536,15 @@ function fridaHooks() {
   return found;
 }
 
-// The page the recorder holds the main thread in while Frida attaches (mainhold.py): the
-// thread leaves it through `landing`, where a hook has it follow itself (followAll), and
-// the page goes with the agent once the thread has left it (the stub's `done` word).
-// Blocks that start in it are not the program's (is_frida_code).
-const holdPage = PARAMS.holdPage === null ? null
-  : { base: ptr(PARAMS.holdPage[0]), size: PARAMS.holdPage[1], landing: PARAMS.holdPage[2] };
-if (holdPage !== null) {
-  Cloak.addRange({ base: holdPage.base, size: holdPage.size });
-}
-let landing = null; // {listener, path, landed}
-function holdMainAtLanding(path) {
-  landing = { listener: null, path, landed: false };
-  const main = Process.id;
-  landing.listener = Interceptor.attach(holdPage.base.add(holdPage.landing), {
-    onEnter() {
-      if (this.threadId === main && !landing.landed) {
-        landing.landed = true;
-        follow(main, landing.path);
-      }
-    },
-  });
-}
-function dropLanding() {
-  if (landing !== null && landing.listener !== null) {
-    landing.listener.detach();
-    landing.listener = null;
-    Interceptor.flush();
-  }
-}
+// The page the recorder held the main thread in while Frida attached (mainhold.py): gone
+// with the agent, once the thread has left it (the stub's `done` word, at 0x208).
 function unmapHoldPage() {
-  if (holdPage === null) {
+  if (PARAMS.holdPage === null) {
     return;
   }
-  dropLanding();
-  if (!holdPage.base.add(0x208).readU64().equals(0)) {
-    new NativeFunction(libc('munmap'), 'int', ['pointer', 'size_t'])(holdPage.base,
-      holdPage.size);
-    Cloak.removeRange({ base: holdPage.base, size: holdPage.size });
+  const [base, size] = PARAMS.holdPage;
+  if (!ptr(base).add(0x208).readU64().equals(0)) {
+    new NativeFunction(libc('munmap'), 'int', ['pointer', 'size_t'])(ptr(base), size);
   }
 }
 
