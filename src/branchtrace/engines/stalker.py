@@ -971,7 +971,9 @@ class _Recording:
         `init`: a spawned program's init_offset, where tracing starts.  `before`: what the
         process had open before Frida came in (_open_files); `forked_from`: else, the
         parent of the forked child it is.  `key`: the process's key in the recording, when
-        it is not `pid` (an exec'ed image, a child given an earlier process's pid)."""
+        it is not `pid` (an exec'ed image, a child given an earlier process's pid).
+        `hold_page`: (base, size) of the stub the main thread was held in while Frida
+        attached (mainhold.py), which the agent unmaps at the end."""
         agent = _Agent(pid, key)
         if spawn and key is None:
             self.init = init

@@ -2,7 +2,7 @@
 // The stalker engine's agent.  Everything per branch happens in the CModule (see
 // stalker_agent.c); this script only sets threads up and reports events to the host.
 // PARAMS is prepended by the host: {cSource, mainRing, spawn, forkStub, initOffset, park,
-// followFork, triggers, snapshots, notesPath, spared, signalLockOffset}.
+// followFork, triggers, snapshots, notesPath, spared, signalLockOffset, holdPage}.
 
 const libc = (name) => Module.getGlobalExportByName(name);
 // Where this script's hooks are (leaveStalker).
