@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import struct
 import threading
@@ -206,39 +205,17 @@ def _disarm_signal_stack(pid: int, tid: int, regs: pt.Regs, syscall_at: int, sta
             saved = os.pread(fd, 2 * STACK_T.size, scratch)
             os.pwrite(fd, STACK_T.pack(0, SS_DISABLE, 0, 0) + bytes(STACK_T.size), scratch)
             try:
-                result = _call_in(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, old_at)
+                result = pt.syscall_at(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, old_at)
                 old = STACK_T.unpack(os.pread(fd, STACK_T.size, old_at))
                 if result == 0 and old[0] != stack and not old[1] & SS_DISABLE:
                     os.pwrite(fd, STACK_T.pack(*old), scratch)  # the program's: put back
-                    _call_in(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, 0)
+                    pt.syscall_at(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, 0)
             finally:
                 os.pwrite(fd, saved, scratch)
                 pt.setregs(tid, regs)
     except (OSError, struct.error):
         return False
     return result == 0 and old[0] == stack
-
-
-def _call_in(pid: int, tid: int, regs: pt.Regs, at: int, number: int, *args: int) -> int:
-    """Have stopped thread `tid` make system call `number` with `args` at the `syscall`
-    instruction at `at`, and stop again after it: its result.  A signal that comes first
-    is sent again, to be delivered once the thread goes, and the call is not made (OSError)."""
-    call = pt.Regs.from_buffer_copy(regs)
-    call.rip, call.rax, call.orig_rax = at, number, 2**64 - 1  # no call to restart
-    for name, value in zip(("rdi", "rsi", "rdx"), args, strict=False):
-        setattr(call, name, value)
-    pt.setregs(tid, call)
-    pt.call(pt.PTRACE_SINGLESTEP, tid)
-    _, status = os.waitpid(tid, pt.WALL)
-    if not os.WIFSTOPPED(status):
-        raise OSError(f"thread {tid} ended")
-    after = pt.getregs(tid)
-    sig = os.WSTOPSIG(status)
-    if sig != signal.SIGTRAP or status >> 16 or after.rip != at + len(SYSCALL):
-        if sig != signal.SIGTRAP and not status >> 16:
-            pt.tgkill(pid, tid, sig)
-        raise OSError(f"thread {tid} stopped elsewhere")
-    return int.from_bytes(after.rax.to_bytes(8, "little"), "little", signed=True)
 
 
 def _after_a_stop(pid: int, tid: int) -> tuple[str, int]:

@@ -90,8 +90,11 @@ class MainThreadHold:
             if xstate is None or gadget is None:
                 return None
             size = (AREA + len(xstate) + 4095) & ~4095
-            base = _remote_mmap(pid, regs, gadget, size, pending)
-            if base is None:
+            try:  # read, write, exec; private, anonymous
+                base = ptrace.syscall_at(pid, pid, regs, gadget, SYS_MMAP, 0, size, 7, 0x22, -1, 0)
+            finally:
+                ptrace.setregs(pid, regs)
+            if base < 0:
                 return None
             hold = cls(pid, base, size)
             _write(pid, base, hold._page(regs, xstate))
@@ -200,31 +203,6 @@ def _syscall_instruction(pid: int) -> int | None:
         if at >= 0:
             return lo + at
     return None
-
-
-def _remote_mmap(
-    tid: int, regs: ptrace.Regs, gadget: int, size: int, pending: list[int]
-) -> int | None:
-    call = ptrace.Regs.from_buffer_copy(regs)
-    call.rax, call.rdi, call.rsi, call.rdx = SYS_MMAP, 0, size, 7  # read, write, exec
-    call.r10, call.r8, call.r9 = 0x22, 2**64 - 1, 0  # private, anonymous
-    call.rip, call.orig_rax = gadget, 2**64 - 1
-    ptrace.setregs(tid, call)
-    ptrace.call(ptrace.PTRACE_SINGLESTEP, tid, 0, 0)
-    while True:
-        _, status = os.waitpid(tid, ptrace.WALL)
-        if not os.WIFSTOPPED(status):
-            raise OSError("the main thread ended")
-        if os.WSTOPSIG(status) == signal.SIGTRAP and status >> 16 == 0:
-            break
-        if status >> 16 == 0:
-            pending.append(os.WSTOPSIG(status))
-        ptrace.call(ptrace.PTRACE_SINGLESTEP, tid, 0, 0)
-    done = ptrace.getregs(tid)
-    ptrace.setregs(tid, regs)
-    if done.rip != gadget + 2 or done.rax >= 2**64 - 4096:
-        return None
-    return int(done.rax)
 
 
 def _read(pid: int, address: int, n: int) -> bytes:

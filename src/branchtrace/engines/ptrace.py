@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import signal
 import subprocess
 from pathlib import Path
 
@@ -62,6 +63,30 @@ def getregs(tid: int) -> Regs:
 
 def setregs(tid: int, regs: Regs) -> None:
     call(PTRACE_SETREGS, tid, 0, ctypes.addressof(regs))
+
+
+def syscall_at(pid: int, tid: int, regs: Regs, at: int, number: int, *args: int) -> int:
+    """Have stopped thread `tid` of process `pid` make system call `number` with `args` at
+    the `syscall` instruction at `at` (a single step), registers `regs` otherwise, and stop
+    again after it: its result (the caller puts its registers back).  A signal that comes
+    first is sent again, to be delivered once the thread goes, and the call is not made
+    (OSError)."""
+    making = Regs.from_buffer_copy(regs)
+    making.rip, making.rax, making.orig_rax = at, number, 2**64 - 1  # no call to restart
+    for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
+        setattr(making, name, value & (2**64 - 1))
+    setregs(tid, making)
+    call(PTRACE_SINGLESTEP, tid)
+    _, status = os.waitpid(tid, WALL)
+    if not os.WIFSTOPPED(status):
+        raise OSError(f"thread {tid} ended")
+    after = getregs(tid)
+    sig = os.WSTOPSIG(status)
+    if sig != signal.SIGTRAP or status >> 16 or after.rip != at + 2:
+        if sig != signal.SIGTRAP and not status >> 16:
+            tgkill(pid, tid, sig)
+        raise OSError(f"thread {tid} stopped elsewhere")
+    return int.from_bytes(after.rax.to_bytes(8, "little"), "little", signed=True)
 
 
 def siginfo(tid: int) -> tuple[int, int, int]:
