@@ -122,6 +122,18 @@ def exe_calls(trace: branchtrace.Trace, tid: int, exe: str) -> list[str]:
     return names
 
 
+def unique_rows(*columns: np.ndarray) -> list[tuple[int, ...]]:
+    """The distinct rows of equal-length columns, in order.  (np.unique on a structured
+    array, or with axis=0, compares rows as opaque bytes: 12 s for a trace's 10M branches,
+    against 2 s sorted so.)"""
+    order = np.lexsort(columns[::-1])
+    ordered = [c[order] for c in columns]
+    first = np.ones(order.size, dtype=bool)
+    if order.size:
+        first[1:] = np.logical_or.reduce([c[1:] != c[:-1] for c in ordered])
+    return list(zip(*(c[first].tolist() for c in ordered), strict=True))
+
+
 def discontinuities(trace: branchtrace.Trace, tid: int) -> tuple[list[str], int]:
     """Each way the thread's branches, in every module, disagree with the code on disk, and
     how many branches were checked.  The instruction at a branch's `from` must be a branch
@@ -144,7 +156,7 @@ def discontinuities(trace: branchtrace.Trace, tid: int) -> tuple[list[str], int]
 
     problems: list[str] = []
     checked = 0
-    for src, dst, kind in np.unique(b[["from", "to", "kind"]]).tolist():
+    for src, dst, kind in unique_rows(b["from"], b["to"], b["kind"]):
         i = insn(src)
         if i is None or kind == BranchKind.INTERRUPT:
             continue  # the vDSO is not on disk
@@ -158,8 +170,7 @@ def discontinuities(trace: branchtrace.Trace, tid: int) -> tuple[list[str], int]
     breaks = np.sort(blocks.break_at[~signals])
     crossed = np.searchsorted(breaks, b["block"], side="right")
     joined = np.flatnonzero(crossed[1:] == crossed[:-1])
-    runs = np.unique(np.stack([b["to"][joined], b["from"][joined + 1]], axis=1), axis=0)
-    for start, end in runs.tolist():
+    for start, end in unique_rows(b["to"][joined], b["from"][joined + 1]):
         pc = start
         while pc != end:
             i = insn(pc)

@@ -17,7 +17,6 @@ from .format import (
     ARG_MASK,
     BLOCK_ADDR_BITS,
     BLOCK_ADDR_MASK,
-    BLOCK_OFF_MASK,
     ESCAPE_BIT,
     LEN_MASK,
     LEN_SHIFT,
@@ -65,6 +64,16 @@ def _fill_blocks(out: np.ndarray, words: np.ndarray) -> None:
     out["b"] = start + off
 
 
+def _payload_words(first: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices of the payload words of records whose payloads begin at `first` and are
+    `lengths` words long, in order."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    run_starts = np.cumsum(lengths) - lengths
+    return np.repeat(first - run_starts, lengths) + np.arange(total, dtype=np.int64)
+
+
 def parse_words(words: np.ndarray, start_pos: int = 0, *, where: str = "ring") -> np.ndarray:
     """Parse whole records from `words` (which must start on a record boundary).
 
@@ -97,42 +106,48 @@ def parse_words(words: np.ndarray, start_pos: int = 0, *, where: str = "ring") -
             raise CorruptStoreError(
                 f"{where}: record header inside a payload at position {start_pos + i * WORD}"
             )
+    # Escapes are rare: the masks and scatters below touch their few words, and each
+    # full-length pass is one the commonest words (BLOCK) need anyway.
     with_payload = hlen > 0
-    mark = np.zeros(n + 1, dtype=np.int8)
-    mark[hidx[with_payload] + 1] = 1
-    mark[ends[with_payload]] = -1
-    in_payload = np.cumsum(mark[:n], dtype=np.int64) > 0
-    is_block = ~escape & ~in_payload
-    if (w[is_block] == 0).any():
-        i = int(np.flatnonzero(is_block & (w == 0))[0])
-        raise CorruptStoreError(f"{where}: empty word at position {start_pos + i * WORD}")
-
-    pad = escape & (((w >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)) == RecordType.PAD)
-    rec_idx = np.flatnonzero(is_block | (escape & ~pad))
+    payload = _payload_words(hidx[with_payload] + 1, hlen[with_payload])
+    zero = np.flatnonzero(w == 0)
+    if zero.size:
+        loose = zero[~np.isin(zero, payload, assume_unique=True)]
+        if loose.size:
+            raise CorruptStoreError(
+                f"{where}: empty word at position {start_pos + int(loose[0]) * WORD}"
+            )
+    pad = hidx[htype == RecordType.PAD]
+    if payload.size or pad.size:
+        keep = np.ones(n, dtype=bool)
+        keep[payload] = False
+        keep[pad] = False
+        rec_idx = np.flatnonzero(keep)
+        head = w[rec_idx]
+    else:
+        rec_idx = np.arange(n, dtype=np.int64)
+        head = w
     out = np.empty(rec_idx.size, dtype=RECORD_DTYPE)
     out["pos"] = rec_idx.astype(_U64) * _U64(WORD) + _U64(start_pos)
-    head = w[rec_idx]
-    if hidx.size == 0:  # the common case: nothing but BLOCK words
-        _fill_blocks(out, head)
+    _fill_blocks(out, head)
+    esc = hidx[htype != RecordType.PAD]
+    if esc.size == 0:
         return out
-    is_esc = (head >> _U64(63)).astype(bool)
-    padded = np.concatenate([w, np.zeros(2, dtype=_U64)])
-    t = np.where(is_esc, (head >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK), _U64(RecordType.BLOCK))
-    t = t.astype(np.uint8)
-    ln = (head >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)
-    p0 = np.where(is_esc & (ln >= 1), padded[rec_idx + 1], _U64(0))
-    p1 = np.where(is_esc & (ln >= 2), padded[rec_idx + 2], _U64(0))
+    rows = np.searchsorted(rec_idx, esc)
+    eh = w[esc]
+    t = ((eh >> _U64(TYPE_SHIFT)) & _U64(TYPE_MASK)).astype(np.uint8)
+    ln = (eh >> _U64(LEN_SHIFT)) & _U64(LEN_MASK)
+    last = n - 1  # (a word past a header is read only where its payload has it)
+    p0 = np.where(ln >= 1, w[np.minimum(esc + 1, last)], _U64(0))
+    p1 = np.where(ln >= 2, w[np.minimum(esc + 2, last)], _U64(0))
     p0 = np.where(_ADDRESS_A[t], unpayload(p0), p0)
     p1 = np.where(_ADDRESS_B[t], unpayload(p1), p1)
-    start = head & _U64(BLOCK_ADDR_MASK)
-    off = (head >> _U64(BLOCK_ADDR_BITS)) & _U64(BLOCK_OFF_MASK)
-    arg = np.where(is_esc, head & _U64(ARG_MASK), off)
+    arg = eh & _U64(ARG_MASK)
     far = t == RecordType.BLOCK_FAR
-    a = np.where(is_esc, p0, start)
-    out["type"] = np.where(far, np.uint8(RecordType.BLOCK), t)
-    out["arg"] = arg
-    out["a"] = a
-    out["b"] = np.where(is_esc & ~far, p1, a + arg)
+    out["type"][rows] = np.where(far, np.uint8(RecordType.BLOCK), t)
+    out["arg"][rows] = arg
+    out["a"][rows] = p0
+    out["b"][rows] = np.where(far, p0 + arg, p1)
     return out
 
 
