@@ -47,7 +47,9 @@ from branchtrace.store.format import (
     GapReason,
     block_word,
     c_definitions,
+    escape,
     meta_entry,
+    payload_word,
 )
 from branchtrace.store.tracedir import (
     GENERATION,
@@ -234,6 +236,26 @@ def test_encode_parse_roundtrip(recs):
     parsed = parse_words(np.array(words, dtype=np.uint64), 1000)
     got = [(int(p["type"]), int(p["arg"]), int(p["a"]), int(p["b"])) for p in parsed]
     assert got == [expected(r) for r in recs]
+    assert parsed["pos"].tolist() == positions
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(records, st.lists(values, max_size=3) | st.none()), max_size=40))
+def test_pad_records_anywhere_are_left_out_and_move_no_other_record(recs_and_pads):
+    # a PAD (and its payload, which may hold anything a payload may, zeros too) before any
+    # record: the others parse as without it, at their own positions
+    words, positions = [], []
+    for r, pad in recs_and_pads:
+        if pad is not None:
+            words += [escape(RecordType.PAD, len(pad), 0), *(payload_word(p) for p in pad)]
+        rtype, arg, *payload = r
+        if rtype == RecordType.PROBE_HIT:
+            payload = payload[:2] + payload[2]
+        positions.append(8 * len(words))
+        words += record_words(rtype, arg, *payload)
+    parsed = parse_words(np.array(words, dtype=np.uint64))
+    got = [(int(p["type"]), int(p["arg"]), int(p["a"]), int(p["b"])) for p in parsed]
+    assert got == [expected(r) for r, _ in recs_and_pads]
     assert parsed["pos"].tolist() == positions
 
 
