@@ -54,6 +54,10 @@ class _Lines:
         if len(self.batch) >= 50_000:
             self.flush()
 
+    def extend(self, texts: list[str]) -> None:
+        self.flush()
+        out.file.write("".join(t + "\n" for t in texts))
+
     def styled(self, text: str, style: str) -> None:
         if not out.is_terminal:  # rich would drop the style too
             self.add(text)
@@ -353,15 +357,28 @@ def calls(
         modules = trace.modules(t)
         lines = modules.source_lines(seg["address"][rows]) if rows.size <= 100_000 else None
         text = _Lines()
-        depths, hows = seg["depth"].tolist(), seg["how"].tolist()
-        for k, (i, label) in enumerate(zip([*rows.tolist(), seg.size], [*labels, ""], strict=True)):
-            for brk in breaks_before.get(i, ()):
+        chosen = seg[rows]
+        indents = ["  " * d for d in range(int(chosen["depth"].max(initial=0)) + 1)]
+        marks = np.where(chosen["how"] == HOW_SIGNAL, " [signal handler]", "").tolist()
+        sources = [f"  {line}" if line else "" for line in lines] if lines else [""] * rows.size
+        printed = [
+            f"{i:>6}  {indents[d]}{label}{mark}{source}"
+            for i, d, label, mark, source in zip(
+                rows.tolist(), chosen["depth"].tolist(), labels, marks, sources, strict=True
+            )
+        ]
+        # the breaks go in before the rows they come before: runs of rows between them
+        # are written as they are (a Python call per line made `calls` of 5M segments 8 s)
+        done = 0
+        for k in (
+            sorted(np.searchsorted(rows, list(breaks_before)).tolist()) if breaks_before else ()
+        ):
+            text.extend(printed[done:k])
+            done = k
+            i = int(rows[k]) if k < rows.size else seg.size
+            for brk in breaks_before[i]:
                 text.styled(f"{'':>6}  -- {describe_break(brk)}", _BREAK_STYLE)
-            if i == seg.size:
-                break
-            mark = " [signal handler]" if hows[i] == HOW_SIGNAL else ""
-            src = f"  {lines[k]}" if lines and lines[k] else ""
-            text.add(f"{i:>6}  {'  ' * depths[i]}{label}{mark}{src}")
+        text.extend(printed[done:])
         if end is not None:
             text.styled(f"{'':>6}  -- {end.describe()}", "bold")
         text.flush()
