@@ -1751,12 +1751,14 @@ def test_under_follow_fork_only_the_main_threads_forks_leave_stalker(tmp_path, p
         assert res.returncode == 0, res.stderr
         meta = TraceDir.open(out).meta()
         assert_children_exited_0(meta, rounds, res.stderr)
-        (forker,) = [
+        forkers = [
             int(label)
             for label, thread in meta["threads"].items()
             if thread["pid"] == meta["pid"] and thread["gaps"] == {"fork": rounds}
         ]
-        assert (forker == meta["pid"]) == (program == "forkloop")
+        assert len(forkers) == 1, (meta["threads"], res.stderr)
+        (forker,) = forkers
+        assert (forker == meta["pid"]) == (program == "forkloop"), (meta["threads"], res.stderr)
         with Ring.open(TraceDir.open(out).ring_path(forker)) as ring:
             return ring._get("table_count")
 
