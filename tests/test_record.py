@@ -1462,6 +1462,24 @@ def test_attaching_leaves_the_main_threads_vector_registers_as_they_were(tmp_pat
     assert meta["main_thread_held"] is True, res.stderr
 
 
+def test_the_main_thread_is_held_while_frida_attaches_under_a_fast_timer(tmp_path, programs):
+    # The hold maps its stub's page by having the stopped main thread make an mmap() at a
+    # `syscall` (a single step); a signal sent meanwhile stopped the thread before it, and
+    # the hold was given up: under SIGALRM every 200 us, 20 of 20 attempts (6 of 10 at
+    # 1 kHz), so a program with a timer was never held.  The thread now has every signal
+    # blocked for that step (ptrace.signals_blocked), and they come once it goes on.
+    with attach_target(programs["vecfork"], "2", "1500000", "200") as target:
+        time.sleep(0.3)
+        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.3", mode="wrap")
+        assert res.returncode == 0, res.stderr
+        out, _ = target.communicate(timeout=30)
+    assert target.returncode == 0 and out.endswith(
+        " rounds, 0 saw them changed, 2 children exited 0\n"
+    ), out
+    meta = TraceDir.open(tmp_path / "d").meta()
+    assert meta["main_thread_held"] is True, res.stderr
+
+
 def in_system_call(pid: int, numbers: set[int]) -> None:
     """Wait until thread `pid` sits in one of the system calls `numbers`."""
     deadline = time.monotonic() + 10

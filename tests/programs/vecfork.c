@@ -1,13 +1,16 @@
-/* `vecfork FORKS PAUSE_US`: the main thread keeps known values in xmm3 and xmm5 (and, on
-   a CPU with AVX, all 256 bits of ymm4) through rounds of 20 taken jumps with no call
-   between, checking them after each round, while a second thread forks FORKS children,
-   PAUSE_US microseconds apart (each child _exit(0)s at once); says "ready" first, and then
-   "ROUNDS rounds, M
-   saw them changed, C children exited 0" (Frida's injector runs code on the main thread
-   after each fork() under child gating). */
+/* `vecfork FORKS PAUSE_US [TIMER_US]`: the main thread keeps known values in xmm3 and xmm5
+   (and, on a CPU with AVX, all 256 bits of ymm4) through rounds of 20 taken jumps with no
+   call between, checking them after each round, while a second thread forks FORKS
+   children, PAUSE_US microseconds apart (each child _exit(0)s at once); says "ready"
+   first, and then "ROUNDS rounds, M saw them changed, C children exited 0" (Frida's
+   injector runs code on the main thread after each fork() under child gating).  With
+   TIMER_US, SIGALRM comes every TIMER_US microseconds meanwhile, to the main thread (the
+   forker blocks it), and its handler only counts. */
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,8 +20,18 @@ static const unsigned int known[8] __attribute__((aligned(32))) = {
 static volatile int forks_done;
 static int forks, pause_us, children_ok;
 
+static volatile long ticks;
+static void on_alarm(int sig) {
+  (void)sig;
+  ticks++;
+}
+
 static void *forker(void *unused) {
   (void)unused;
+  sigset_t alarm;
+  sigemptyset(&alarm);
+  sigaddset(&alarm, SIGALRM);
+  pthread_sigmask(SIG_BLOCK, &alarm, NULL);
   for (int i = 0; i < forks; i++) {
     pid_t child = fork();
     if (child == 0)
@@ -73,12 +86,18 @@ __attribute__((target("avx"))) static long rounds_avx(long *rounds) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 3) {
-    fprintf(stderr, "usage: vecfork FORKS PAUSE_US\n");
+  if (argc != 3 && argc != 4) {
+    fprintf(stderr, "usage: vecfork FORKS PAUSE_US [TIMER_US]\n");
     return 2;
   }
   forks = atoi(argv[1]);
   pause_us = atoi(argv[2]);
+  if (argc == 4) {
+    struct sigaction action = {.sa_handler = on_alarm, .sa_flags = SA_RESTART};
+    sigaction(SIGALRM, &action, NULL);
+    struct itimerval every = {{0, atol(argv[3])}, {0, atol(argv[3])}};
+    setitimer(ITIMER_REAL, &every, NULL);
+  }
   printf("ready %d\n", getpid());
   fflush(stdout);
   __builtin_cpu_init();

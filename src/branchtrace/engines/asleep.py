@@ -205,11 +205,12 @@ def _disarm_signal_stack(pid: int, tid: int, regs: pt.Regs, syscall_at: int, sta
             saved = os.pread(fd, 2 * STACK_T.size, scratch)
             os.pwrite(fd, STACK_T.pack(0, SS_DISABLE, 0, 0) + bytes(STACK_T.size), scratch)
             try:
-                result = pt.syscall_at(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, old_at)
-                old = STACK_T.unpack(os.pread(fd, STACK_T.size, old_at))
-                if result == 0 and old[0] != stack and not old[1] & SS_DISABLE:
-                    os.pwrite(fd, STACK_T.pack(*old), scratch)  # the program's: put back
-                    pt.syscall_at(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, 0)
+                with pt.signals_blocked(tid):  # a signal would stop it ahead of the call
+                    result = pt.syscall_at(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, old_at)
+                    old = STACK_T.unpack(os.pread(fd, STACK_T.size, old_at))
+                    if result == 0 and old[0] != stack and not old[1] & SS_DISABLE:
+                        os.pwrite(fd, STACK_T.pack(*old), scratch)  # the program's: put back
+                        pt.syscall_at(pid, tid, regs, syscall_at, SIGALTSTACK, scratch, 0)
             finally:
                 os.pwrite(fd, saved, scratch)
                 pt.setregs(tid, regs)

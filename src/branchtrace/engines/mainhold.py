@@ -91,7 +91,10 @@ class MainThreadHold:
                 return None
             size = (AREA + len(xstate) + 4095) & ~4095
             try:  # read, write, exec; private, anonymous
-                base = ptrace.syscall_at(pid, pid, regs, gadget, SYS_MMAP, 0, size, 7, 0x22, -1, 0)
+                with ptrace.signals_blocked(pid):
+                    base = ptrace.syscall_at(
+                        pid, pid, regs, gadget, SYS_MMAP, 0, size, 7, 0x22, -1, 0
+                    )
             finally:
                 ptrace.setregs(pid, regs)
             if base < 0:
