@@ -1480,6 +1480,29 @@ def test_the_main_thread_is_held_while_frida_attaches_under_a_fast_timer(tmp_pat
     assert meta["main_thread_held"] is True, res.stderr
 
 
+def test_attached_inside_a_signal_handler_the_thread_stays_traced_after_it_returns(
+    tmp_path, programs
+):
+    # Attached while slowhandler's SIGALRM handler ran (asleep for 2 s), Stalker began
+    # following the main thread inside the handler, and its return (rt_sigreturn) sent the
+    # thread back natively to where the signal had found it: the trace ended with the
+    # handler though the program went on (every call of g() missing, and no warning).  The
+    # restorer's system call, reached under Stalker with the program's own pc in the frame,
+    # now sends the thread through its refollow stub (on_restorer_followed).
+    program = programs["slowhandler"]
+    with attach_target(program, "20000") as target:
+        time.sleep(0.3)
+        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "60", mode="stream")
+        assert res.returncode == 0, res.stderr
+        out, _ = target.communicate(timeout=30)
+    assert target.returncode == 0 and out == "20000\n", out
+    trace = TraceDir.open(tmp_path / "d")
+    (tid,) = trace.threads()
+    assert calls_to(trace, tid, program, "h") == 1, res.stderr
+    assert calls_to(trace, tid, program, "g") == 20000, res.stderr
+    assert trace.meta()["threads"][str(tid)]["gaps"] == {"left_handler": 1}, res.stderr
+
+
 def in_system_call(pid: int, numbers: set[int]) -> None:
     """Wait until thread `pid` sits in one of the system calls `numbers`."""
     deadline = time.monotonic() + 10

@@ -4699,6 +4699,31 @@ static void on_renewal(GumCpuContext *cpu, gpointer user_data) {
   t->renewing = 1;
 }
 
+/* The restorer's system call, reached under Stalker: a handler run in the thread's context
+   returns.  When the frame still holds the program's own pc (not Stalker's copy, which
+   bt_on_sigreturn put there for a handler it followed, nor the refollow stub), the signal
+   had come while the thread ran natively and Stalker began following it inside the
+   handler's run: attached while a handler ran, or Gum's helper stopping the thread right
+   as the kernel had delivered a signal, its pc in the signal stub (under a 5 kHz timer,
+   the main thread was not taken over in 4 attaches of 20).  rt_sigreturn would send the
+   thread back there natively, out of Stalker for good, its trace ending with the handler
+   though it runs on.  It goes through the refollow stub instead, followed again there. */
+static void on_restorer_followed(GumCpuContext *cpu, gpointer user_data) {
+  BtThread *t = user_data;
+  if (in_forked_child() || t->closed || t->leaving)
+    return;
+  /* as at the restorer's entry (bt_on_sigreturn): the stack pointer is at the ucontext */
+  uint64_t *rip = (uint64_t *)(cpu->rsp + UC_RIP);
+  if (*rip == 0 || (t->refollow != NULL && *rip == (uint64_t)t->refollow) ||
+      copy_holding(t, *rip) != NULL || is_frida_code(*rip))
+    return;
+  make_refollow_stub(t);
+  if (t->refollow != NULL) {
+    *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
+    *rip = (uint64_t)t->refollow;
+  }
+}
+
 static int put_renewal(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
                        uint64_t start) {
   if (t->closed || t->leaving || t->handlers_running > 0 ||
@@ -4854,6 +4879,8 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     int is_first = first;
     if (first && (is_frida_code(insn->address) || insn->address == restorer_syscall())) {
       /* Frida's own code (the hook that started us, its trampolines): not the program */
+      if (insn->address == restorer_syscall())
+        put_callout(iterator, cw, t, on_restorer_followed, t);
     } else if (first && t->ctx_blocks++ >= BT_CONTEXT_BLOCKS &&
                put_renewal(iterator, cw, t, insn->address)) {
       return; /* the block is a jump to the refollow stub */
