@@ -4712,10 +4712,13 @@ static void on_restorer_followed(GumCpuContext *cpu, gpointer user_data) {
   BtThread *t = user_data;
   if (in_forked_child() || t->closed || t->leaving)
     return;
-  /* as at the restorer's entry (bt_on_sigreturn): the stack pointer is at the ucontext */
+  /* as at the restorer's entry (bt_on_sigreturn): the stack pointer is at the ucontext.
+     Only a pc in one of the program's modules: never a Stalker copy (a handler followed,
+     put back by bt_on_sigreturn), the refollow stub or Frida's code; JIT code is left as
+     before. */
   uint64_t *rip = (uint64_t *)(cpu->rsp + UC_RIP);
-  if (*rip == 0 || (t->refollow != NULL && *rip == (uint64_t)t->refollow) ||
-      copy_holding(t, *rip) != NULL || is_frida_code(*rip))
+  const BtCodeRange *range = code_range(*rip);
+  if (range == NULL || range->fridas)
     return;
   make_refollow_stub(t);
   if (t->refollow != NULL) {
