@@ -1483,7 +1483,7 @@ def test_the_main_thread_is_held_while_frida_attaches_under_a_fast_timer(tmp_pat
 def test_attached_inside_a_signal_handler_the_thread_stays_traced_after_it_returns(
     tmp_path, programs
 ):
-    # Attached while slowhandler's SIGALRM handler ran (asleep for 2 s), Stalker began
+    # Attached while slowhandler's SIGALRM handler ran (asleep for 3 s), Stalker began
     # following the main thread inside the handler, and its return (rt_sigreturn) sent the
     # thread back natively to where the signal had found it: the trace ended with the
     # handler though the program went on (every call of g() missing, and no warning).  The

@@ -1,4 +1,4 @@
-/* `slowhandler N`: says "ready", then raises SIGALRM, whose handler sleeps for 2 s and calls
+/* `slowhandler N`: says "ready", then raises SIGALRM, whose handler sleeps for 3 s and calls
    h(); then main calls g() N times and prints N.  A recorder that attaches while the
    handler runs begins following the thread inside it: the handler's return (rt_sigreturn)
    must not take the thread out of the trace. */
@@ -13,7 +13,7 @@ __attribute__((noinline)) void h(void) { sink++; }
 
 static void on_alarm(int sig) {
   (void)sig;
-  struct timespec left = {2, 0};
+  struct timespec left = {3, 0};
   while (nanosleep(&left, &left) != 0)
     ;
   h();
