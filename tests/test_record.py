@@ -3805,19 +3805,27 @@ def test_a_signal_waited_for_is_never_kept_from_its_handler(tmp_path, programs, 
     rounds = 1000
     argv = [str(exe), str(rounds), *(["siginfo"] if how == "siginfo" else [])]
     native = subprocess.run(argv, capture_output=True, text=True, check=True)
-    res = record(tmp_path / "d", "--", *argv, timeout=120)
-    assert res.returncode == 0 and res.stdout == native.stdout, res.stderr
-    assert res.stdout.split()[1:3] == [str(rounds), "0"]
-    trace = TraceDir.open(tmp_path / "d")
-    assert_counts_are_the_records(trace)
-    main = trace.meta()["pid"]
-    # every run of the handler is in the main thread's trace: traced, or a GAP
-    assert handler_runs_of(trace, main) == rounds
-    recs = parse_words(*trace.words(main))
-    held = trace.meta()["threads"][str(main)]["signals"].get("held", 0)
-    assert 0 < held <= int(signal_deliveries(recs).sum())
-    problems, checked = discontinuities(branchtrace.open(trace.path), main)
-    assert checked > 50 and not problems, problems[:5]
+    # Where the signals land is the threads' timing: in 1 recording of 40 or so (the code
+    # of sessions 70 and 71 alike) every one came while the main thread sat in read(), and
+    # none was held.  Such a recording is checked as any, then made again, up to 3 in all.
+    for attempt in range(3):
+        out = tmp_path / f"d{attempt}"
+        res = record(out, "--", *argv, timeout=120)
+        assert res.returncode == 0 and res.stdout == native.stdout, res.stderr
+        assert res.stdout.split()[1:3] == [str(rounds), "0"]
+        trace = TraceDir.open(out)
+        assert_counts_are_the_records(trace)
+        main = trace.meta()["pid"]
+        # every run of the handler is in the main thread's trace: traced, or a GAP
+        assert handler_runs_of(trace, main) == rounds
+        recs = parse_words(*trace.words(main))
+        held = trace.meta()["threads"][str(main)]["signals"].get("held", 0)
+        assert held <= int(signal_deliveries(recs).sum())
+        problems, checked = discontinuities(branchtrace.open(trace.path), main)
+        assert checked > 50 and not problems, problems[:5]
+        if held > 0:
+            break
+    assert held > 0, "no signal was held in 3 recordings"
 
 
 def assert_handler_traced_thrice(path: Path, program: Path) -> None:
