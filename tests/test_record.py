@@ -1444,31 +1444,18 @@ def test_attach_records_then_detaches_and_the_program_finishes(tmp_path, program
     assert 20 < calls < rounds - 20  # about 0.5 s of a 2 ms loop
 
 
-def test_attaching_leaves_the_main_threads_vector_registers_as_they_were(tmp_path, programs):
+@pytest.mark.parametrize("timer", [[], ["200"]], ids=["quiet", "sigalrm_every_200us"])
+def test_attaching_leaves_the_main_threads_vector_registers_as_they_were(tmp_path, programs, timer):
     # Frida's injector loads the agent by running its loader's pthread_create() on the main
     # thread, stopped wherever it was, and puts back only the general registers: vecfork's
     # main thread, keeping known values in xmm3, xmm5 and ymm4 through its loop, saw them
     # changed at each attach (1 round of 1).  The recorder now holds that thread in a stub
-    # of its own while Frida attaches, which puts its whole register state back (mainhold.py)
-    with attach_target(programs["vecfork"], "2", "1500000") as target:
-        time.sleep(0.3)
-        res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.3", mode="wrap")
-        assert res.returncode == 0, res.stderr
-        out, _ = target.communicate(timeout=30)
-    assert target.returncode == 0 and out.endswith(
-        " rounds, 0 saw them changed, 2 children exited 0\n"
-    ), out
-    meta = TraceDir.open(tmp_path / "d").meta()
-    assert meta["main_thread_held"] is True, res.stderr
-
-
-def test_the_main_thread_is_held_while_frida_attaches_under_a_fast_timer(tmp_path, programs):
-    # The hold maps its stub's page by having the stopped main thread make an mmap() at a
-    # `syscall` (a single step); a signal sent meanwhile stopped the thread before it, and
-    # the hold was given up: under SIGALRM every 200 us, 20 of 20 attempts (6 of 10 at
-    # 1 kHz), so a program with a timer was never held.  The thread now has every signal
-    # blocked for that step (ptrace.signals_blocked), and they come once it goes on.
-    with attach_target(programs["vecfork"], "2", "1500000", "200") as target:
+    # of its own while Frida attaches, which puts its whole register state back (mainhold.py).
+    # Under a timer: the hold maps its stub's page by having the stopped thread make an
+    # mmap() (a single step), and a signal sent meanwhile stopped the thread before it and
+    # the hold was given up (SIGALRM every 200 us: 20 of 20 attempts; 6 of 10 at 1 kHz).
+    # The thread's signals are now blocked for that step (ptrace.signals_blocked).
+    with attach_target(programs["vecfork"], "2", "1500000", *timer) as target:
         time.sleep(0.3)
         res = record(tmp_path / "d", "-p", str(target.pid), "--duration", "0.3", mode="wrap")
         assert res.returncode == 0, res.stderr
