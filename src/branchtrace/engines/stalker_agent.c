@@ -2955,6 +2955,18 @@ static void make_refollow_stub(BtThread *t) {
     await_hook((uint64_t)t->refollow + BT_REFOLLOW_HOOK, nops, "refollow");
 }
 
+/* The signal frame's pc `rip` goes to the thread's refollow stub, which follows the thread
+   again and jumps where the frame said (made at once when the thread has none yet). */
+static void refollow_at_return(BtThread *t, uint64_t *rip) {
+  make_refollow_stub(t);
+  if (t->refollow != NULL) {
+    *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
+    *rip = (uint64_t)t->refollow;
+    t->renewing = 0; /* a handler that ran between on_renewal and its jump: followed again
+                        as for any handler that moved the pc, its old context kept */
+  }
+}
+
 void bt_on_sigreturn(GumInvocationContext *ic) {
   BtThread *t = in_forked_child() ? NULL : current_thread();
   if (t == NULL)
@@ -3004,13 +3016,7 @@ void bt_on_sigreturn(GumInvocationContext *ic) {
   if (depth < 1 || depth > BT_HANDLER_DEPTH || t->handler_uc[depth - 1] != uc ||
       *rip == t->handler_pc[depth - 1] || t->closed || is_frida_code(*rip))
     return;
-  make_refollow_stub(t); /* run at once */
-  if (t->refollow != NULL) {
-    *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
-    *rip = (uint64_t)t->refollow;
-    t->renewing = 0; /* a handler that ran between on_renewal and its jump: followed again
-                        as for any handler that moved the pc, its old context kept */
-  }
+  refollow_at_return(t, rip);
 }
 
 extern void bt_unfollow_me(void);
@@ -4720,11 +4726,7 @@ static void on_restorer_followed(GumCpuContext *cpu, gpointer user_data) {
   const BtCodeRange *range = code_range(*rip);
   if (range == NULL || range->fridas)
     return;
-  make_refollow_stub(t);
-  if (t->refollow != NULL) {
-    *(uint64_t *)(t->refollow + BT_REFOLLOW_TARGET) = *rip;
-    *rip = (uint64_t)t->refollow;
-  }
+  refollow_at_return(t, rip);
 }
 
 static int put_renewal(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
