@@ -4850,6 +4850,128 @@ static void on_trigger(GumCpuContext *cpu, gpointer user_data) {
   bt_trigger_reached((uint64_t)user_data);
 }
 
+/* A `ret` of the program's, before Gum's code for it.  Gum compiles a return as a lookup
+   in the block's inline cache ({real_start, code_start} pairs, the newest first) behind a
+   switch to its own stack and lahf/sahf: five stores and some 22 instructions for every
+   return, most of what Stalker costs in a call-heavy loop once the records are written
+   (perf over `record -- calls`: the core is store-bound).  The agent reads the first
+   BT_RET_ENTRIES entries of that same cache itself, without a stack switch or the flags:
+   rcx and rdx are saved below the return address (the returning function's frame, dead
+   once it returns; a signal's frame goes below the 128-byte red zone, so it cannot
+   overwrite them), each entry compared as `lea rcx, [~real + ret + 1]; jrcxz` (zero
+   when equal; an empty entry's real_start is NULL, which no return address is).  On a
+   hit: rcx and rdx back, the return address popped, and a jump to the entry's code, as
+   Gum's own hit does.  On a miss, Gum's code, unchanged (its slow path fills the cache
+   this reads).  The cache's address is known only once Gum has written its code: the
+   displacements are patched in then (finish_ret_fast_path), or the whole thing jumped
+   over when Gum's code is not as expected.  No instruction of the program runs in
+   between: a signal here is one in the block's branch code (in_branch_code). */
+#define BT_RET_ENTRIES 4
+#define BT_RET_SAVE 14         /* mov [rsp-8], rcx; mov [rsp-16], rdx; mov rdx, [rsp] */
+#define BT_RET_CHECK 17        /* mov rcx, [rip+real]; not rcx; lea rcx, [rcx+rdx+1]; jrcxz */
+#define BT_RET_MISS 12         /* the restore; jmp over the hits */
+#define BT_RET_HIT 21          /* the restore; lea rsp, [rsp+8]; jmp [rip+code] */
+#define BT_RET_RESTORE 10
+#define BT_IC_EMPTY 0xbaadd00ddeadfaceULL /* GUM_IC_MAGIC_EMPTY: an unused entry's code */
+
+typedef struct {
+  uint8_t *code; /* where its bytes are */
+  uint64_t pc;   /* where they run */
+} BtRetFast;
+
+static int is_plain_ret(const cs_insn *insn) {
+  return (insn->size == 1 && insn->bytes[0] == 0xc3) ||
+         (insn->size == 2 && insn->bytes[1] == 0xc3 && insn->bytes[0] == 0xf3 /* rep ret */);
+}
+
+static void put_ret_fast_path(GumX86Writer *cw, BtRetFast *fast) {
+  static const uint8_t save[BT_RET_SAVE] = {
+      0x48, 0x89, 0x4c, 0x24, 0xf8, /* mov [rsp-8], rcx */
+      0x48, 0x89, 0x54, 0x24, 0xf0, /* mov [rsp-16], rdx */
+      0x48, 0x8b, 0x14, 0x24,       /* mov rdx, [rsp]: the return address */
+  };
+  static const uint8_t restore[BT_RET_RESTORE] = {
+      0x48, 0x8b, 0x4c, 0x24, 0xf8, /* mov rcx, [rsp-8] */
+      0x48, 0x8b, 0x54, 0x24, 0xf0, /* mov rdx, [rsp-16] */
+  };
+  uint8_t code[BT_RET_SAVE + BT_RET_ENTRIES * (BT_RET_CHECK + BT_RET_HIT) + BT_RET_MISS];
+  unsigned at = 0, hits = BT_RET_SAVE + BT_RET_ENTRIES * BT_RET_CHECK + BT_RET_MISS;
+  for (unsigned i = 0; i < sizeof save; i++)
+    code[at++] = save[i];
+  for (unsigned e = 0; e < BT_RET_ENTRIES; e++) {
+    static const uint8_t check[BT_RET_CHECK] = {
+        0x48, 0x8b, 0x0d, 0, 0, 0, 0, /* mov rcx, [rip+real_start] (patched) */
+        0x48, 0xf7, 0xd1,             /* not rcx */
+        0x48, 0x8d, 0x4c, 0x11, 0x01, /* lea rcx, [rcx+rdx+1] */
+        0xe3, 0,                      /* jrcxz hit */
+    };
+    for (unsigned i = 0; i < sizeof check; i++)
+      code[at + i] = check[i];
+    code[at + BT_RET_CHECK - 1] = (uint8_t)(hits + e * BT_RET_HIT - (at + BT_RET_CHECK));
+    at += BT_RET_CHECK;
+  }
+  for (unsigned i = 0; i < sizeof restore; i++)
+    code[at++] = restore[i];
+  code[at++] = 0xeb; /* jmp over the hits, to Gum's code */
+  code[at++] = BT_RET_ENTRIES * BT_RET_HIT;
+  for (unsigned e = 0; e < BT_RET_ENTRIES; e++) {
+    static const uint8_t hit[BT_RET_HIT - BT_RET_RESTORE] = {
+        0x48, 0x8d, 0x64, 0x24, 0x08, /* lea rsp, [rsp+8] */
+        0xff, 0x25, 0,    0,    0, 0, /* jmp [rip+code_start] (patched) */
+    };
+    for (unsigned i = 0; i < sizeof restore; i++)
+      code[at++] = restore[i];
+    for (unsigned i = 0; i < sizeof hit; i++)
+      code[at++] = hit[i];
+  }
+  fast->code = cw->code;
+  fast->pc = cw->pc;
+  put_bytes(cw, code, at);
+}
+
+/* After Gum's code for the `ret` (from `gum` to `end`): its cache's address, from the
+   `movabs rbx, entries; cmp [rbx], rax; je` that starts its lookup, checked as a fresh
+   cache (every entry read is empty). */
+static uint64_t gum_ret_cache(const uint8_t *gum, const uint8_t *end) {
+  static const uint8_t lookup[] = {0x48, 0x39, 0x43, 0x00, 0x0f, 0x84};
+  for (const uint8_t *p = gum; p + 10 + sizeof lookup <= end; p++) {
+    if (p[0] != 0x48 || p[1] != 0xbb || !same_bytes(p + 10, lookup, sizeof lookup))
+      continue;
+    uint64_t entries = *(const uint64_t *)(p + 2), seen[2 * BT_RET_ENTRIES];
+    if (!read_safely((const void *)entries, seen, sizeof seen))
+      return 0;
+    for (unsigned e = 0; e < BT_RET_ENTRIES; e++)
+      if (seen[2 * e] != 0 || seen[2 * e + 1] != BT_IC_EMPTY)
+        return 0;
+    return entries;
+  }
+  return 0;
+}
+
+static int put_rip_displacement(uint8_t *field, uint64_t next_pc, uint64_t target) {
+  int64_t d = (int64_t)(target - next_pc);
+  if (d != (int32_t)d)
+    return 0;
+  *(int32_t *)field = (int32_t)d;
+  return 1;
+}
+
+static void finish_ret_fast_path(const BtRetFast *fast, const uint8_t *gum, const uint8_t *end) {
+  uint64_t entries = gum_ret_cache(gum, end);
+  int ok = entries != 0;
+  unsigned hits = BT_RET_SAVE + BT_RET_ENTRIES * BT_RET_CHECK + BT_RET_MISS;
+  for (unsigned e = 0; ok && e < BT_RET_ENTRIES; e++) {
+    unsigned check = BT_RET_SAVE + e * BT_RET_CHECK, hit = hits + e * BT_RET_HIT;
+    ok = put_rip_displacement(fast->code + check + 3, fast->pc + check + 7, entries + 16 * e) &&
+         put_rip_displacement(fast->code + hit + BT_RET_HIT - 4, fast->pc + hit + BT_RET_HIT,
+                              entries + 16 * e + 8);
+  }
+  if (!ok) { /* jmp to Gum's code */
+    fast->code[0] = 0xe9;
+    *(int32_t *)(fast->code + 1) = (int32_t)(gum - (fast->code + 5));
+  }
+}
+
 void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer user_data) {
   BtThread *t = user_data;
   GumX86Writer *cw = output->writer.x86;
@@ -4931,19 +5053,30 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     mapped += copy != 0;
     first = 0;
     last = insn->address;
+    int triggered = 0;
     for (uint64_t k = 0; k < bt_triggers[0]; k++)
-      if (bt_triggers[1 + 2 * k] == insn->address)
+      if (bt_triggers[1 + 2 * k] == insn->address) {
         put_callout(iterator, cw, t, on_trigger, (gpointer)bt_triggers[2 + 2 * k]);
+        triggered = 1;
+      }
     if (insn->id == X86_INS_SYSCALL)
       put_syscall_checks(iterator, cw, t, insn->address);
     if (insn->size == 5 && insn->bytes[0] == 0xe8 && STATE->tls_dtors != 0
         && insn->address + 5 + *(const int32_t *)&insn->bytes[1] == STATE->tls_dtors)
       put_callout(iterator, cw, t, on_thread_ending, t);
+    /* past the first instruction (and without a callout before it) no prolog of Gum's is
+       open here, where the fast path runs and the signal stub comes (bt_signal_enter) */
+    BtRetFast fast = {NULL, 0};
+    if (copy != 0 && !is_first && !triggered && is_plain_ret(insn))
+      put_ret_fast_path(cw, &fast);
     if (copy != 0 && !is_first && insn->size == 1 && insn->bytes[0] == 0xc3) {
-      t->ret_copy = cw->pc; /* no prolog of Gum's is open here (bt_signal_enter) */
+      t->ret_copy = cw->pc; /* Gum's own code for it, past the fast path */
       t->ret_copy_ctx = exec_ctx;
     }
+    const uint8_t *gum = cw->code;
     gum_stalker_iterator_keep(iterator);
+    if (fast.code != NULL)
+      finish_ret_fast_path(&fast, gum, cw->code);
   }
   if (copy != 0)
     record_at[5] = (uint16_t)(cw->pc - copy);
