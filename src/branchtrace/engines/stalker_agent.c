@@ -4850,97 +4850,179 @@ static void on_trigger(GumCpuContext *cpu, gpointer user_data) {
   bt_trigger_reached((uint64_t)user_data);
 }
 
-/* A `ret` of the program's, before Gum's code for it.  Gum compiles a return as a lookup
-   in the block's inline cache ({real_start, code_start} pairs, the newest first) behind a
-   switch to its own stack and lahf/sahf: five stores and some 22 instructions for every
-   return, most of what Stalker costs in a call-heavy loop once the records are written
-   (perf over `record -- calls`: the core is store-bound).  The agent reads the first
-   BT_RET_ENTRIES entries of that same cache itself, without a stack switch or the flags:
-   rcx and rdx are saved below the return address (the returning function's frame, dead
-   once it returns; a signal's frame goes below the 128-byte red zone, so it cannot
-   overwrite them), each entry compared as `lea rcx, [~real + ret + 1]; jrcxz` (zero
-   when equal; an empty entry's real_start is NULL, which no return address is).  On a
-   hit: rcx and rdx back, the return address popped, and a jump to the entry's code, as
-   Gum's own hit does.  On a miss, Gum's code, unchanged (its slow path fills the cache
-   this reads).  The cache's address is known only once Gum has written its code: the
-   displacements are patched in then (finish_ret_fast_path), or the whole thing jumped
-   over when Gum's code is not as expected.  No instruction of the program runs in
-   between: a signal here is one in the block's branch code (in_branch_code). */
-#define BT_RET_ENTRIES 4
-#define BT_RET_SAVE 14         /* mov [rsp-8], rcx; mov [rsp-16], rdx; mov rdx, [rsp] */
-#define BT_RET_CHECK 17        /* mov rcx, [rip+real]; not rcx; lea rcx, [rcx+rdx+1]; jrcxz */
-#define BT_RET_MISS 12         /* the restore; jmp over the hits */
-#define BT_RET_HIT 21          /* the restore; lea rsp, [rsp+8]; jmp [rip+code] */
-#define BT_RET_RESTORE 10
+/* A `ret` or an indirect `call` of the program's, before Gum's code for it.  Gum compiles
+   both as a lookup in the block's inline cache ({real_start, code_start} pairs, the newest
+   first) behind a switch to its own stack and lahf/sahf: five stores and some 22
+   instructions each time, most of what Stalker costs in a call-heavy loop once the records
+   are written (perf over `record -- calls`: the core is bound by its stores).  The agent
+   reads the first BT_IC_FAST entries of that same cache itself, without a stack switch or
+   the flags: rcx and rdx are saved below the stack pointer (at a `ret`, the returning
+   function's frame; at a `call`, where the call puts the return address and the callee
+   its frame: dead either way, and a signal's frame goes below the 128-byte red zone, so
+   it cannot overwrite them), the target loaded into rdx, and each entry compared as
+   `lea rcx, [~real + target + 1]; jrcxz` (zero when equal; an empty entry's real_start is
+   NULL, which no target is).  On a hit: rcx and rdx back, the return address popped (a
+   `ret`) or pushed (a `call`), and a jump to the entry's code, as Gum's own hit does.  On
+   a miss, Gum's code, unchanged (its slow path fills the cache read here).  The cache's
+   address is known only once Gum has written its code: the displacements are patched in
+   then (finish_ic_fast_path), or the whole thing is jumped over when Gum's code is not as
+   expected.  No instruction of the program runs in between: a signal here is one in the
+   block's branch code (in_branch_code).  Indirect jumps keep Gum's code: a leaf function
+   may hold data below its stack pointer across one (a switch). */
+#define BT_IC_FAST 4
+#define BT_IC_SAVE 10  /* mov [rsp-16], rcx; mov [rsp-24], rdx */
+#define BT_IC_CHECK 17 /* mov rcx, [rip+real]; not rcx; lea rcx, [rcx+rdx+1]; jrcxz hit */
+#define BT_IC_MISS 15  /* the restore; jmp to Gum's code */
+#define BT_IC_RESTORE 10
+#define BT_IC_RET_HIT (BT_IC_RESTORE + 11)  /* lea rsp, [rsp+8]; jmp [rip+code] */
+#define BT_IC_CALL_HIT (BT_IC_RESTORE + 26) /* movabs rcx; mov [rsp-8], rcx; lea; jmp */
+#define BT_IC_LOAD_MAX 16
 #define BT_IC_EMPTY 0xbaadd00ddeadfaceULL /* GUM_IC_MAGIC_EMPTY: an unused entry's code */
 
 typedef struct {
-  uint8_t *code; /* where its bytes are */
-  uint64_t pc;   /* where they run */
-} BtRetFast;
+  uint8_t *code;   /* where its bytes are, NULL: none put */
+  uint64_t pc;     /* where they run */
+  unsigned checks; /* the first check's offset */
+  unsigned hits;   /* the first hit's offset */
+  unsigned hit;    /* a hit's size */
+} BtIcFast;
 
-static int is_plain_ret(const cs_insn *insn) {
-  return (insn->size == 1 && insn->bytes[0] == 0xc3) ||
-         (insn->size == 2 && insn->bytes[1] == 0xc3 && insn->bytes[0] == 0xf3 /* rep ret */);
+/* The bytes that load the target of `insn` into rdx (the program's registers all as they
+   were, rcx and rdx too), or 0 when the fast path does not take it: only a plain `ret`
+   (or `rep ret`) and a `call` through a register or memory, no segment override. */
+static unsigned ic_target_load(const cs_insn *insn, uint8_t *load) {
+  const uint8_t *b = insn->bytes;
+  if ((insn->size == 1 && b[0] == 0xc3) || (insn->size == 2 && b[0] == 0xf3 && b[1] == 0xc3)) {
+    static const uint8_t from_stack[] = {0x48, 0x8b, 0x14, 0x24}; /* mov rdx, [rsp] */
+    for (unsigned i = 0; i < sizeof from_stack; i++)
+      load[i] = from_stack[i];
+    return sizeof from_stack;
+  }
+  if (insn->id != X86_INS_CALL || insn->detail == NULL || insn->detail->x86.op_count != 1)
+    return 0;
+  unsigned at = 0;
+  while (at < insn->size && (b[at] == 0x3e /* notrack */ || b[at] == 0xf2 /* bnd */))
+    at++;
+  uint8_t rex = 0;
+  if (at < insn->size && (b[at] & 0xf0) == 0x40)
+    rex = b[at++];
+  if (at + 1 >= insn->size || b[at] != 0xff || ((b[at + 1] >> 3) & 7) != 2 /* call r/m */)
+    return 0;
+  const cs_x86_op *op = &insn->detail->x86.operands[0];
+  if (op->type == X86_OP_REG) {
+    unsigned rm = (b[at + 1] & 7) | ((rex & 1) << 3);
+    if ((b[at + 1] >> 6) != 3 || rm == 4 /* rsp */)
+      return 0;
+    load[0] = 0x48 | (rex & 1); /* mov rdx, r */
+    load[1] = 0x8b;
+    load[2] = 0xd0 | (b[at + 1] & 7);
+    return 3;
+  }
+  if (op->type != X86_OP_MEM || op->mem.segment != X86_REG_INVALID)
+    return 0;
+  if (op->mem.base == X86_REG_RIP) { /* movabs rdx, address; mov rdx, [rdx] */
+    uint64_t address = insn->address + insn->size + (uint64_t)op->mem.disp;
+    load[0] = 0x48;
+    load[1] = 0xba;
+    for (int i = 0; i < 8; i++)
+      load[2 + i] = (uint8_t)(address >> (8 * i));
+    load[10] = 0x48;
+    load[11] = 0x8b;
+    load[12] = 0x12;
+    return 13;
+  }
+  /* mov rdx, [the same address]: the call's ModRM (its reg field is 2, rdx), SIB and
+     displacement, under REX.W with the call's X and B */
+  unsigned rest = insn->size - (at + 1);
+  if (2 + rest > BT_IC_LOAD_MAX)
+    return 0;
+  load[0] = 0x48 | (rex & 3);
+  load[1] = 0x8b;
+  for (unsigned i = 0; i < rest; i++)
+    load[2 + i] = b[at + 1 + i];
+  return 2 + rest;
 }
 
-static void put_ret_fast_path(GumX86Writer *cw, BtRetFast *fast) {
-  static const uint8_t save[BT_RET_SAVE] = {
-      0x48, 0x89, 0x4c, 0x24, 0xf8, /* mov [rsp-8], rcx */
-      0x48, 0x89, 0x54, 0x24, 0xf0, /* mov [rsp-16], rdx */
-      0x48, 0x8b, 0x14, 0x24,       /* mov rdx, [rsp]: the return address */
+static void put_ic_fast_path(GumX86Writer *cw, const cs_insn *insn, const uint8_t *load,
+                             unsigned load_size, BtIcFast *fast) {
+  static const uint8_t save[BT_IC_SAVE] = {
+      0x48, 0x89, 0x4c, 0x24, 0xf0, /* mov [rsp-16], rcx */
+      0x48, 0x89, 0x54, 0x24, 0xe8, /* mov [rsp-24], rdx */
   };
-  static const uint8_t restore[BT_RET_RESTORE] = {
-      0x48, 0x8b, 0x4c, 0x24, 0xf8, /* mov rcx, [rsp-8] */
-      0x48, 0x8b, 0x54, 0x24, 0xf0, /* mov rdx, [rsp-16] */
+  static const uint8_t restore[BT_IC_RESTORE] = {
+      0x48, 0x8b, 0x4c, 0x24, 0xf0, /* mov rcx, [rsp-16] */
+      0x48, 0x8b, 0x54, 0x24, 0xe8, /* mov rdx, [rsp-24] */
   };
-  uint8_t code[BT_RET_SAVE + BT_RET_ENTRIES * (BT_RET_CHECK + BT_RET_HIT) + BT_RET_MISS];
-  unsigned at = 0, hits = BT_RET_SAVE + BT_RET_ENTRIES * BT_RET_CHECK + BT_RET_MISS;
+  static const uint8_t check[BT_IC_CHECK] = {
+      0x48, 0x8b, 0x0d, 0, 0, 0, 0, /* mov rcx, [rip+real_start] (patched) */
+      0x48, 0xf7, 0xd1,             /* not rcx */
+      0x48, 0x8d, 0x4c, 0x11, 0x01, /* lea rcx, [rcx+rdx+1] */
+      0xe3, 0,                      /* jrcxz hit */
+  };
+  int is_call = insn->id == X86_INS_CALL;
+  uint8_t code[BT_IC_SAVE + BT_IC_LOAD_MAX + BT_IC_FAST * (BT_IC_CHECK + BT_IC_CALL_HIT) +
+               BT_IC_MISS];
+  unsigned at = 0;
   for (unsigned i = 0; i < sizeof save; i++)
     code[at++] = save[i];
-  for (unsigned e = 0; e < BT_RET_ENTRIES; e++) {
-    static const uint8_t check[BT_RET_CHECK] = {
-        0x48, 0x8b, 0x0d, 0, 0, 0, 0, /* mov rcx, [rip+real_start] (patched) */
-        0x48, 0xf7, 0xd1,             /* not rcx */
-        0x48, 0x8d, 0x4c, 0x11, 0x01, /* lea rcx, [rcx+rdx+1] */
-        0xe3, 0,                      /* jrcxz hit */
-    };
+  for (unsigned i = 0; i < load_size; i++)
+    code[at++] = load[i];
+  fast->checks = at;
+  fast->hits = at + BT_IC_FAST * BT_IC_CHECK + BT_IC_MISS;
+  fast->hit = is_call ? BT_IC_CALL_HIT : BT_IC_RET_HIT;
+  for (unsigned e = 0; e < BT_IC_FAST; e++) {
     for (unsigned i = 0; i < sizeof check; i++)
       code[at + i] = check[i];
-    code[at + BT_RET_CHECK - 1] = (uint8_t)(hits + e * BT_RET_HIT - (at + BT_RET_CHECK));
-    at += BT_RET_CHECK;
+    code[at + BT_IC_CHECK - 1] = (uint8_t)(fast->hits + e * fast->hit - (at + BT_IC_CHECK));
+    at += BT_IC_CHECK;
   }
   for (unsigned i = 0; i < sizeof restore; i++)
     code[at++] = restore[i];
-  code[at++] = 0xeb; /* jmp over the hits, to Gum's code */
-  code[at++] = BT_RET_ENTRIES * BT_RET_HIT;
-  for (unsigned e = 0; e < BT_RET_ENTRIES; e++) {
-    static const uint8_t hit[BT_RET_HIT - BT_RET_RESTORE] = {
-        0x48, 0x8d, 0x64, 0x24, 0x08, /* lea rsp, [rsp+8] */
-        0xff, 0x25, 0,    0,    0, 0, /* jmp [rip+code_start] (patched) */
-    };
+  code[at++] = 0xe9; /* jmp to Gum's code, past the hits */
+  *(int32_t *)(code + at) = (int32_t)(BT_IC_FAST * fast->hit);
+  at += 4;
+  uint64_t ret = insn->address + insn->size;
+  for (unsigned e = 0; e < BT_IC_FAST; e++) {
+    if (is_call) {
+      /* the return address in one store: the callee's `ret` loads it whole, and a load
+         from two smaller stores waits for both to reach the cache (an indirect call loop
+         took 2.0 s instead of 1.6) */
+      code[at++] = 0x48; /* movabs rcx, return address */
+      code[at++] = 0xb9;
+      *(uint64_t *)(code + at) = ret;
+      at += 8;
+      static const uint8_t store[5] = {0x48, 0x89, 0x4c, 0x24, 0xf8}; /* mov [rsp-8], rcx */
+      for (unsigned i = 0; i < sizeof store; i++)
+        code[at++] = store[i];
+    }
     for (unsigned i = 0; i < sizeof restore; i++)
       code[at++] = restore[i];
-    for (unsigned i = 0; i < sizeof hit; i++)
-      code[at++] = hit[i];
+    static const uint8_t push[5] = {0x48, 0x8d, 0x64, 0x24, 0xf8}; /* lea rsp, [rsp-8] */
+    static const uint8_t pop[5] = {0x48, 0x8d, 0x64, 0x24, 0x08};  /* lea rsp, [rsp+8] */
+    for (unsigned i = 0; i < 5; i++)
+      code[at++] = is_call ? push[i] : pop[i];
+    code[at++] = 0xff; /* jmp [rip+code_start] (patched) */
+    code[at++] = 0x25;
+    *(int32_t *)(code + at) = 0;
+    at += 4;
   }
   fast->code = cw->code;
   fast->pc = cw->pc;
   put_bytes(cw, code, at);
 }
 
-/* After Gum's code for the `ret` (from `gum` to `end`): its cache's address, from the
-   `movabs rbx, entries; cmp [rbx], rax; je` that starts its lookup, checked as a fresh
-   cache (every entry read is empty). */
-static uint64_t gum_ret_cache(const uint8_t *gum, const uint8_t *end) {
+/* After Gum's code for the instruction (from `gum` to `end`): its cache's address, from
+   the `movabs rbx, entries; cmp [rbx], rax; je` that starts its lookup, checked as a
+   fresh cache (every entry read is empty). */
+static uint64_t gum_inline_cache(const uint8_t *gum, const uint8_t *end) {
   static const uint8_t lookup[] = {0x48, 0x39, 0x43, 0x00, 0x0f, 0x84};
   for (const uint8_t *p = gum; p + 10 + sizeof lookup <= end; p++) {
     if (p[0] != 0x48 || p[1] != 0xbb || !same_bytes(p + 10, lookup, sizeof lookup))
       continue;
-    uint64_t entries = *(const uint64_t *)(p + 2), seen[2 * BT_RET_ENTRIES];
+    uint64_t entries = *(const uint64_t *)(p + 2), seen[2 * BT_IC_FAST];
     if (!read_safely((const void *)entries, seen, sizeof seen))
       return 0;
-    for (unsigned e = 0; e < BT_RET_ENTRIES; e++)
+    for (unsigned e = 0; e < BT_IC_FAST; e++)
       if (seen[2 * e] != 0 || seen[2 * e + 1] != BT_IC_EMPTY)
         return 0;
     return entries;
@@ -4956,15 +5038,13 @@ static int put_rip_displacement(uint8_t *field, uint64_t next_pc, uint64_t targe
   return 1;
 }
 
-static void finish_ret_fast_path(const BtRetFast *fast, const uint8_t *gum, const uint8_t *end) {
-  uint64_t entries = gum_ret_cache(gum, end);
+static void finish_ic_fast_path(const BtIcFast *fast, const uint8_t *gum, const uint8_t *end) {
+  uint64_t entries = gum_inline_cache(gum, end);
   int ok = entries != 0;
-  unsigned hits = BT_RET_SAVE + BT_RET_ENTRIES * BT_RET_CHECK + BT_RET_MISS;
-  for (unsigned e = 0; ok && e < BT_RET_ENTRIES; e++) {
-    unsigned check = BT_RET_SAVE + e * BT_RET_CHECK, hit = hits + e * BT_RET_HIT;
+  for (unsigned e = 0; ok && e < BT_IC_FAST; e++) {
+    unsigned check = fast->checks + e * BT_IC_CHECK, hit = fast->hits + (e + 1) * fast->hit;
     ok = put_rip_displacement(fast->code + check + 3, fast->pc + check + 7, entries + 16 * e) &&
-         put_rip_displacement(fast->code + hit + BT_RET_HIT - 4, fast->pc + hit + BT_RET_HIT,
-                              entries + 16 * e + 8);
+         put_rip_displacement(fast->code + hit - 4, fast->pc + hit, entries + 16 * e + 8);
   }
   if (!ok) { /* jmp to Gum's code */
     fast->code[0] = 0xe9;
@@ -5066,9 +5146,11 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
       put_callout(iterator, cw, t, on_thread_ending, t);
     /* past the first instruction (and without a callout before it) no prolog of Gum's is
        open here, where the fast path runs and the signal stub comes (bt_signal_enter) */
-    BtRetFast fast = {NULL, 0};
-    if (copy != 0 && !is_first && !triggered && is_plain_ret(insn))
-      put_ret_fast_path(cw, &fast);
+    BtIcFast fast = {NULL, 0, 0, 0, 0};
+    uint8_t load[BT_IC_LOAD_MAX];
+    unsigned load_size = copy != 0 && !is_first && !triggered ? ic_target_load(insn, load) : 0;
+    if (load_size != 0)
+      put_ic_fast_path(cw, insn, load, load_size, &fast);
     if (copy != 0 && !is_first && insn->size == 1 && insn->bytes[0] == 0xc3) {
       t->ret_copy = cw->pc; /* Gum's own code for it, past the fast path */
       t->ret_copy_ctx = exec_ctx;
@@ -5076,7 +5158,7 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     const uint8_t *gum = cw->code;
     gum_stalker_iterator_keep(iterator);
     if (fast.code != NULL)
-      finish_ret_fast_path(&fast, gum, cw->code);
+      finish_ic_fast_path(&fast, gum, cw->code);
   }
   if (copy != 0)
     record_at[5] = (uint16_t)(cw->pc - copy);
