@@ -249,13 +249,14 @@ def reference_branches(b: Blocks) -> list[tuple[int, int, int, int]]:
 
 def transfer(src: int, dst: int, kind: int, size: int, block: int) -> list[tuple]:
     """The branch from a block's last instruction at src (of that kind and size) to dst,
-    if it is one: not a fall-through, nor a hooked function's relocated head."""
+    if it is one: not a fall-through (a system call's included), nor a hooked function's
+    relocated head."""
     falls = dst == src + size
     if kind == NOT_A_BRANCH:
         if falls or 0 < dst - src <= 32:
             return []
         kind = BranchKind.INTERRUPT
-    elif falls and kind == BranchKind.CONDITIONAL:
+    elif falls and kind in (BranchKind.CONDITIONAL, BranchKind.SYSCALL):
         return []
     return [(src, dst, kind, block)]
 

@@ -2,7 +2,8 @@
 
 Each BLOCK record names an executed block by its start and its last instruction.  Between
 two consecutive blocks A and B the transfer is A.last -> B.start, unless B starts right
-after A.last (a conditional jump not taken, or a block split without a branch).  The kind
+after A.last (a conditional jump not taken, a system call, or a block split without a
+branch).  The kind
 comes from decoding A's last instruction, once per distinct block (capstone): a program
 runs millions of blocks but has only thousands of distinct ones.
 """

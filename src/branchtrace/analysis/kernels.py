@@ -294,13 +294,16 @@ _CALL, _ICALL, _RET, _SYSCALL = (
 def _transfer_kind(src, dst, k, size, hook_reach):  # type: ignore[no-untyped-def]
     """The kind of the transfer from a block's last instruction at src (of kind k and
     length size) to dst; 0 when there is none: a fall-through (a conditional jump not
-    taken, a block split) or the relocated head of a hooked function."""
+    taken, a system call that returns to the next instruction, a block split) or the
+    relocated head of a hooked function.  A system call ends a Stalker block only by
+    chance (its code slab running short), so one that returns where it was is never a
+    branch: the same trace either way, as the step engine's."""
     falls = dst == src + size
     if k == _NOT_A_BRANCH:
         if falls or (dst > src and dst - src <= hook_reach):
             return 0
         return _INTERRUPT_KIND
-    if falls and k == _CONDITIONAL:
+    if falls and (k == _CONDITIONAL or k == _SYSCALL):  # noqa: SIM109 (numba: no tuple of globals)
         return 0
     return k
 
