@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import branchtrace
 from branchtrace.analysis.kernels import HOW_CALL
 from branchtrace.cli.views import _json_strings
+from branchtrace.store.tracedir import thread_label
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
 FORK_NAMES = {"fork", "__fork", "__libc_fork"}
@@ -202,6 +203,11 @@ def test_stats_count_calls_per_function_and_thread(tmp_path, programs):
     threads = jsonl(bt("stats", recorded(tmp_path, programs["threads"]), "--json"))[0]
     assert threads["functions"]["g"] == 1009 + 2003 + 3001 + 4001
     assert sorted(t.get("g", 0) for t in threads["threads"].values()) == [0, 1009, 2003, 3001, 4001]
+    # stats decodes each thread on its own and keeps none of it: the same counts as the
+    # call histories the API keeps
+    api = branchtrace.open(tmp_path / "threads")
+    assert api.stats() == threads
+    assert threads["threads"] == {thread_label(t): api.calls(t).call_counts() for t in api.threads}
     table = bt("stats", tmp_path / "fib", "-n", "3")
     assert table.returncode == 0 and "21,891" in table.stdout and "fib" in table.stdout
     # a terminal too narrow for the table gets longer lines, never a count or a name cut
