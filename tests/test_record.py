@@ -3835,8 +3835,8 @@ def test_a_signal_waited_for_is_never_kept_from_its_handler(tmp_path, programs, 
     # Where the signals land is the threads' timing.  When both threads ran on one CPU, the
     # sender spun only while the main thread slept in read(), and every signal came there:
     # none held in 4 of 14 recordings one day (3 of 14 with session 71's code, in turn).
-    # The fixture now puts them on CPUs of their own (12 of 12 held 177-221).  A recording with
-    # none held is checked as any, then made again, up to 3 in all.
+    # The fixture now puts them on allowed CPUs of their own (6 of 6 held 133-187).  A
+    # recording with none held is checked as any, then made again, up to 3 in all.
     for attempt in range(3):
         out = tmp_path / f"d{attempt}"
         res = record(out, "--", *argv, timeout=120)

@@ -29,15 +29,22 @@ static void on_signal_info(int sig, siginfo_t *info, void *uc) {
   handled++;
 }
 
-/* With two CPUs or more, the threads each on one of their own: sharing one, the sender
-   spins only once the main thread sleeps in read(), and every signal came there. */
-static void pin_to(pthread_t thread, int cpu) {
-  if (sysconf(_SC_NPROCESSORS_ONLN) < 2)
+/* With two CPUs or more allowed, the threads each on one of their own (the nth allowed):
+   sharing one, the sender spins only once the main thread sleeps in read(), and every
+   signal came there. */
+static cpu_set_t allowed; /* the process's, read before either thread is pinned */
+
+static void pin_to(pthread_t thread, int nth) {
+  cpu_set_t one;
+  if (CPU_COUNT(&allowed) < 2)
     return;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  CPU_SET(cpu, &set);
-  pthread_setaffinity_np(thread, sizeof set, &set);
+  for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+    if (CPU_ISSET(cpu, &allowed) && nth-- == 0) {
+      CPU_ZERO(&one);
+      CPU_SET(cpu, &one);
+      pthread_setaffinity_np(thread, sizeof one, &one);
+      return;
+    }
 }
 
 static void *sender(void *arg) {
@@ -75,6 +82,8 @@ int main(int argc, char **argv) {
     return 2;
   alarm(10);
   main_thread = pthread_self();
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0)
+    CPU_ZERO(&allowed);
   pin_to(main_thread, 0);
   pthread_t t;
   pthread_create(&t, NULL, sender, NULL);

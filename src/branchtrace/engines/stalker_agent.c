@@ -4953,62 +4953,45 @@ static void put_ic_fast_path(GumX86Writer *cw, const cs_insn *insn, const uint8_
       0x48, 0x8b, 0x4c, 0x24, 0xf0, /* mov rcx, [rsp-16] */
       0x48, 0x8b, 0x54, 0x24, 0xe8, /* mov rdx, [rsp-24] */
   };
-  static const uint8_t check[BT_IC_CHECK] = {
+  static const uint8_t check[BT_IC_CHECK - 1] = {
       0x48, 0x8b, 0x0d, 0, 0, 0, 0, /* mov rcx, [rip+real_start] (patched) */
       0x48, 0xf7, 0xd1,             /* not rcx */
       0x48, 0x8d, 0x4c, 0x11, 0x01, /* lea rcx, [rcx+rdx+1] */
-      0xe3, 0,                      /* jrcxz hit */
+      0xe3,                         /* jrcxz hit (its displacement follows) */
   };
   int is_call = insn->id == X86_INS_CALL;
-  uint8_t code[BT_IC_SAVE + BT_IC_LOAD_MAX + BT_IC_FAST * (BT_IC_CHECK + BT_IC_CALL_HIT) +
-               BT_IC_MISS];
-  unsigned at = 0;
-  for (unsigned i = 0; i < sizeof save; i++)
-    code[at++] = save[i];
-  for (unsigned i = 0; i < load_size; i++)
-    code[at++] = load[i];
-  fast->checks = at;
-  fast->hits = at + BT_IC_FAST * BT_IC_CHECK + BT_IC_MISS;
-  fast->hit = is_call ? BT_IC_CALL_HIT : BT_IC_RET_HIT;
-  for (unsigned e = 0; e < BT_IC_FAST; e++) {
-    for (unsigned i = 0; i < sizeof check; i++)
-      code[at + i] = check[i];
-    code[at + BT_IC_CHECK - 1] = (uint8_t)(fast->hits + e * fast->hit - (at + BT_IC_CHECK));
-    at += BT_IC_CHECK;
-  }
-  for (unsigned i = 0; i < sizeof restore; i++)
-    code[at++] = restore[i];
-  code[at++] = 0xe9; /* jmp to Gum's code, past the hits */
-  *(int32_t *)(code + at) = (int32_t)(BT_IC_FAST * fast->hit);
-  at += 4;
-  uint64_t ret = insn->address + insn->size;
-  for (unsigned e = 0; e < BT_IC_FAST; e++) {
-    if (is_call) {
-      /* the return address in one store: the callee's `ret` loads it whole, and a load
-         from two smaller stores waits for both to reach the cache (an indirect call loop
-         took 2.0 s instead of 1.6) */
-      code[at++] = 0x48; /* movabs rcx, return address */
-      code[at++] = 0xb9;
-      *(uint64_t *)(code + at) = ret;
-      at += 8;
-      static const uint8_t store[5] = {0x48, 0x89, 0x4c, 0x24, 0xf8}; /* mov [rsp-8], rcx */
-      for (unsigned i = 0; i < sizeof store; i++)
-        code[at++] = store[i];
-    }
-    for (unsigned i = 0; i < sizeof restore; i++)
-      code[at++] = restore[i];
-    static const uint8_t push[5] = {0x48, 0x8d, 0x64, 0x24, 0xf8}; /* lea rsp, [rsp-8] */
-    static const uint8_t pop[5] = {0x48, 0x8d, 0x64, 0x24, 0x08};  /* lea rsp, [rsp+8] */
-    for (unsigned i = 0; i < 5; i++)
-      code[at++] = is_call ? push[i] : pop[i];
-    code[at++] = 0xff; /* jmp [rip+code_start] (patched) */
-    code[at++] = 0x25;
-    *(int32_t *)(code + at) = 0;
-    at += 4;
-  }
   fast->code = cw->code;
   fast->pc = cw->pc;
-  put_bytes(cw, code, at);
+  fast->checks = BT_IC_SAVE + load_size;
+  fast->hits = fast->checks + BT_IC_FAST * BT_IC_CHECK + BT_IC_MISS;
+  fast->hit = is_call ? BT_IC_CALL_HIT : BT_IC_RET_HIT;
+  put_bytes(cw, save, sizeof save);
+  put_bytes(cw, load, load_size);
+  for (unsigned e = 0; e < BT_IC_FAST; e++) {
+    uint8_t to_hit = (uint8_t)((BT_IC_FAST - 1 - e) * BT_IC_CHECK + BT_IC_MISS + e * fast->hit);
+    put_bytes(cw, check, BT_IC_CHECK - 1);
+    put_bytes(cw, &to_hit, 1); /* jrcxz's displacement */
+  }
+  put_bytes(cw, restore, sizeof restore);
+  uint8_t past_hits[5] = {0xe9}; /* jmp to Gum's code, past the hits */
+  *(int32_t *)(past_hits + 1) = (int32_t)(BT_IC_FAST * fast->hit);
+  put_bytes(cw, past_hits, sizeof past_hits);
+  /* a call's return address in one store: the callee's `ret` loads it whole, and a load
+     from two smaller stores waits for both to reach the cache (an indirect call loop took
+     2.0 s instead of 1.4-1.6) */
+  /* movabs rcx, return address; mov [rsp-8], rcx */
+  uint8_t push_return[15] = {0x48, 0xb9, [10] = 0x48, 0x89, 0x4c, 0x24, 0xf8};
+  *(uint64_t *)(push_return + 2) = insn->address + insn->size;
+  static const uint8_t push[5] = {0x48, 0x8d, 0x64, 0x24, 0xf8}; /* lea rsp, [rsp-8] */
+  static const uint8_t pop[5] = {0x48, 0x8d, 0x64, 0x24, 0x08};  /* lea rsp, [rsp+8] */
+  static const uint8_t jmp_rip[6] = {0xff, 0x25}; /* jmp [rip+code_start] (patched) */
+  for (unsigned e = 0; e < BT_IC_FAST; e++) {
+    if (is_call)
+      put_bytes(cw, push_return, sizeof push_return);
+    put_bytes(cw, restore, sizeof restore);
+    put_bytes(cw, is_call ? push : pop, 5);
+    put_bytes(cw, jmp_rip, sizeof jmp_rip);
+  }
 }
 
 /* After Gum's code for the instruction (from `gum` to `end`): its cache's address, from
