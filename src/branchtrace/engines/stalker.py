@@ -2448,7 +2448,7 @@ class StalkerEngine:
         rec.read_notes()
         result.warnings += rec.errors
         result.warnings += _children_faulted_before_their_code(tracedir, result, rec.frida_faults)
-        result.warnings += _deaths_in_fridas_code(result, rec.frida_faults)
+        result.warnings += _deaths_in_fridas_code(result, rec.frida_faults, rec.untraced_threads)
         result.snapshots = list(rec.snapshots)
         untraced: dict[str, int] = {}
         for stats in result.threads.values():
@@ -2939,13 +2939,22 @@ def _children_faulted_before_their_code(
     return warnings
 
 
-def _deaths_in_fridas_code(result: RecordResult, faults: list[dict[str, Any]]) -> list[str]:
+#: how a warning names a thread of Frida's (its agent's), not the program's
+FRIDAS_OWN_THREAD = "one of Frida's own threads"
+
+
+def _deaths_in_fridas_code(
+    result: RecordResult, faults: list[dict[str, Any]], untraced: list[dict[str, Any]]
+) -> list[str]:
     """Processes that died of a fault whose instruction was in Frida's agent, as the agent
     noted just before (note_frida_fault in stalker_agent.c): no FAULT record names a site
     of the program's then, and the summary alone would read as the program's crash.  A
-    child so named is marked `"died_in_frida"` in `processes`."""
+    child so named is marked `"died_in_frida"` in `processes`.  A thread neither traced nor
+    among the `untraced` program threads is one of Frida's own: neither Stalker's need for
+    memory nor the program's pointers reach it there."""
     warnings = []
     named: set[int] = set()
+    programs_threads = {int(t["tid"]) for t in untraced} | set(result.threads)
     for fault in faults:
         pid, signum = int(fault["pid"]), int(fault["signal"])
         if pid in named:
@@ -2961,17 +2970,25 @@ def _deaths_in_fridas_code(result: RecordResult, faults: list[dict[str, Any]]) -
             endings[-1]["died_in_frida"] = True
             what = f"forked child {pid}"
         named.add(pid)
-        warnings.append(
-            f"{what} was killed by {signal.Signals(signum).name} at {fault['pc']} in thread "
-            f"{fault['tid']}, an instruction of Frida's agent, not of the program's code"
-            + (
-                f" (touching {fault['address']})"
-                if signum in (signal.SIGSEGV, signal.SIGBUS)
-                else ""
+        tid = int(fault["tid"])
+        touching = (
+            f" (touching {fault['address']})" if signum in (signal.SIGSEGV, signal.SIGBUS) else ""
+        )
+        if tid in programs_threads:
+            why = (
+                f"in thread {tid}, an instruction of Frida's agent, not of the program's code"
+                f"{touching}: Frida failed there, as Stalker does when it finds no memory for "
+                "a thread's code (README, \"Stalker's limit\"), unless the program handed one "
+                "of Frida's hooks a bad pointer"
             )
-            + ": Frida failed there, as Stalker does when it finds no memory for a thread's "
-            "code (README, \"Stalker's limit\"), unless the program handed one of Frida's "
-            "hooks a bad pointer"
+        else:
+            why = (
+                f"in thread {tid}, {FRIDAS_OWN_THREAD} (not one of the program's), an "
+                f"instruction of Frida's agent{touching}: a bug of Frida's, which no code of "
+                "the program's ran into; the trace up to there is kept"
+            )
+        warnings.append(
+            f"{what} was killed by {signal.Signals(signum).name} at {fault['pc']} {why}"
         )
     return warnings
 
