@@ -3135,6 +3135,10 @@ def test_follow_fork_traces_the_programs_that_the_program_and_its_children_exec(
     meta = trace.meta()
     pid, processes = meta["pid"], meta["processes"]
     assert meta["exec"] is True and meta["exit_code"] == 0 and meta["traced_from"] == "_init"
+    # every agent put its disassembler in Gum's place; only the first scanned Frida's code
+    # for Gum's (16-29 ms): the exec'ed images' were handed where it found it, the forked
+    # child has its parent's in place
+    assert meta["gum_reader"] is True and meta["gum_reader_scans"] == 1
     (child,) = [int(k) for k, e in processes.items() if e["ppid"] == pid and "execd_by" not in e]
     shell = os.path.realpath("/bin/sh")
     assert processes[f"{pid}#2"] | {"ppid": None} == {

@@ -914,6 +914,11 @@ class _Recording:
         #: start, or -1 if nowhere: the same in every process's agent, so the others are
         #: handed it (stalker_agent.js)
         self.signal_lock_offset: int | None = None
+        #: where the first agent that found Gum's one-instruction disassembler by a scan of
+        #: the agent's code found it, from the agent's start, handed to the others likewise
+        self.gum_reader_match: int | None = None
+        #: how many agents scanned for it (those not handed it, nor forked with it in place)
+        self.gum_reader_scans = 0
         #: whether every agent found GLib's signal lock, which a fork() takes with them
         self.fork_signal_lock: bool | None = None
         #: faults in Frida's code that a process was about to die of, as its agent noted
@@ -999,6 +1004,7 @@ class _Recording:
             "notesPath": str(self.tracedir.path / f"{_NOTES_FILE}{agent.key}"),
             "spared": self._frida_fds_of(pid, before, forked_from),
             "signalLockOffset": self.signal_lock_offset,
+            "gumReaderMatch": self.gum_reader_match,
             "holdPage": [str(hold_page[0]), hold_page[1]] if hold_page else None,
         }
         agent.script = session.create_script(agent_script(params))
@@ -1312,6 +1318,9 @@ class _Recording:
         if kind == "ready":
             if self.signal_lock_offset is None and payload.get("signalLockOffset") is not None:
                 self.signal_lock_offset = int(payload["signalLockOffset"])
+            if self.gum_reader_match is None and payload.get("gumReaderMatch") is not None:
+                self.gum_reader_match = int(payload["gumReaderMatch"])
+            self.gum_reader_scans += bool(payload.get("gumReaderScanned"))
             agent.ready.set()
         elif kind == "thread-start" and payload.get("handed"):
             self.adopt(agent, int(payload["tid"]), payload["handed"], payload.get("named"))
@@ -2483,6 +2492,7 @@ class StalkerEngine:
         finish_meta(meta, result, rec.untraced_threads)
         meta["inline_cache"] = rec.inline_cache
         meta["gum_reader"] = rec.gum_reader
+        meta["gum_reader_scans"] = rec.gum_reader_scans
         meta["traced_from"] = rec.traced_from
         meta["fork_heap_locks"] = rec.fork_heap_locks
         meta["fork_signal_lock"] = rec.fork_signal_lock

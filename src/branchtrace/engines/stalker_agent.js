@@ -400,6 +400,7 @@ const note = (event) => btNote(Memory.allocUtf8String(`${JSON.stringify(event)}\
 // (the agent's code is cloaked: /proc/self/maps names it).  Its first 14 bytes become a
 // jump through a page of the agent's (bt_gum_reader_install).  With Interceptor.replace()
 // instead the program died (SIGSEGV, `python3 -c pass`).
+let gumReaderMatch = null, gumReaderScanned = false; // findGumReader
 const gumReader = (() => {
   const install = new NativeFunction(cm.bt_gum_reader_install, 'int', ['pointer', 'pointer']);
   const inherited = new NativeFunction(cm.bt_gum_reader_inherited, 'pointer', [])();
@@ -413,7 +414,10 @@ const gumReader = (() => {
   return how >= 0;
 })();
 // every executable mapping of the file Gum's capstone is in: a page patched before (in a
-// forked child, by the parent's recording) is a mapping of its own
+// forked child, by the parent's recording) is a mapping of its own.  That scan took 16-29
+// ms of each agent's start, so the first process's match, as an offset from the agent's
+// start (gumReaderMatch), is handed to the recording's next ones (PARAMS.gumReaderMatch),
+// which check the code there as the scan's matches are checked.
 function findGumReader() {
   const csOpen = new NativeFunction(cm.bt_cs_open, 'pointer', [])();
   const gumReaderAt = new NativeFunction(cm.bt_gum_reader_at, 'pointer', ['pointer']);
@@ -423,11 +427,26 @@ function findGumReader() {
     return { start, end, perms: perms || '', path };
   });
   const home = maps.find((m) => csOpen.compare(m.start) >= 0 && csOpen.compare(m.end) < 0);
-  if (home === undefined || home.path === undefined) return [];
-  return maps.filter((m) => m.path === home.path && m.perms.includes('x'))
-    .flatMap((m) => Memory.scanSync(m.start, m.end.sub(m.start).toUInt32(),
-      'be 08 00 00 00 bf 03 00 00 00 e8'))
-    .map((match) => gumReaderAt(match.address)).filter((f) => !f.isNull());
+  if (home === undefined || home.path === undefined || agentCode.length === 0) return [];
+  const code = maps.filter((m) => m.path === home.path && m.perms.includes('x'));
+  const agentStart = ptr('0x' + agentCode[0][0].toString(16));
+  if (PARAMS.gumReaderMatch !== null) {
+    const match = agentStart.add(PARAMS.gumReaderMatch);
+    const inCode = code.some((m) => match.compare(m.start) >= 0 && match.add(160).compare(m.end) <= 0);
+    const reader = inCode ? gumReaderAt(match) : NULL;
+    if (!reader.isNull()) {
+      gumReaderMatch = PARAMS.gumReaderMatch;
+      return [reader];
+    }
+  }
+  gumReaderScanned = true;
+  const found = code.flatMap((m) => Memory.scanSync(m.start, m.end.sub(m.start).toUInt32(),
+    'be 08 00 00 00 bf 03 00 00 00 e8'))
+    .map((match) => [match.address, gumReaderAt(match.address)]).filter(([, f]) => !f.isNull());
+  if (found.length === 1) {
+    gumReaderMatch = found[0][0].sub(agentStart).toInt32();
+  }
+  return found.map(([, f]) => f);
 }
 const restoreGumReader = new NativeFunction(cm.bt_gum_reader_restore, 'void', []);
 note({ type: 'gum-reader', found: gumReader });
@@ -1579,4 +1598,4 @@ function finish() {
   return finished;
 }
 
-send({ type: 'ready', signalLockOffset });
+send({ type: 'ready', signalLockOffset, gumReaderMatch, gumReaderScanned });
