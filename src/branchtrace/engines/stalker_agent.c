@@ -4783,6 +4783,48 @@ static void put_check(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *
   gum_x86_writer_put_label(cw, next);
 }
 
+/* vfork(): its child runs in the parent's memory, on its stack, until it execs or exits,
+   while the parent waits.  Gum leaves a clone() with CLONE_VM (posix_spawn(), threads) to
+   run natively in the child, but a vfork() child ran on in the parent thread's compiled
+   code: its records went into the parent's ring (Python's subprocess: the child's close()
+   calls in the parent's trace), and the blocks it compiled first, as a forked child's,
+   had none, so the parent ran them unrecorded ever after (the `ret` of __vfork itself: the
+   parent's trace took its `jae` for a jump to the caller).  So the system call is made here
+   and the child goes on natively after it, as Gum's clone() children do; the parent goes
+   on in the compiled code, after the instruction's copy (vfork_done, placed by
+   transform).  Both get rcx as the kernel leaves it natively (the return address) and the
+   flags untouched (lea and jrcxz):
+     lea rcx, [rax-58]; jrcxz vfork; jmp next
+     vfork: syscall; mov rcx, rax; jrcxz child
+            movabs rcx, address+2; jmp vfork_done
+     child: movabs rcx, address+2; jmp rcx
+     next: */
+static gconstpointer vfork_done(uint64_t address) {
+  return (gconstpointer)(address | (1ULL << 54));
+}
+
+static void put_vfork(GumX86Writer *cw, uint64_t address) {
+  gconstpointer next = (gconstpointer)(address | (1ULL << 53));
+  static const uint8_t check[] = {0x48, 0x8d, 0x48, 0xc6, /* lea rcx, [rax-58] */
+                                  0xe3, 0x05};            /* jrcxz (over the jmp) */
+  put_bytes(cw, check, sizeof check);
+  gum_x86_writer_put_jmp_near_label(cw, next);
+  uint8_t call[] = {0x0f, 0x05,       /* syscall */
+                    0x48, 0x89, 0xc1, /* mov rcx, rax */
+                    0xe3, 0x0f,       /* jrcxz child (over the movabs and the jmp) */
+                    0x48, 0xb9, [17] = 0};
+  uint64_t back = address + 2;
+  for (int i = 0; i < 8; i++)
+    call[9 + i] = (uint8_t)(back >> (8 * i));
+  put_bytes(cw, call, 17);
+  gum_x86_writer_put_jmp_near_label(cw, vfork_done(address));
+  uint8_t child[12] = {0x48, 0xb9, [10] = 0xff, 0xe1}; /* movabs rcx, back; jmp rcx */
+  for (int i = 0; i < 8; i++)
+    child[2 + i] = (uint8_t)(back >> (8 * i));
+  put_bytes(cw, child, sizeof child);
+  gum_x86_writer_put_label(cw, next);
+}
+
 static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
                                uint64_t address) {
   /* labels of this syscall instruction's own: its address with high bits set */
@@ -4803,6 +4845,7 @@ static void put_syscall_checks(GumStalkerIterator *iterator, GumX86Writer *cw, B
     note_address[19 + i] = (uint8_t)(address >> (32 + 8 * i));
   }
   put_bytes(cw, note_address, sizeof note_address);
+  put_vfork(cw, address);
   put_check(iterator, cw, t, 3 /* close */, on_close, go,
             (gconstpointer)(address | (1ULL << 62)));
   put_check(iterator, cw, t, 436 /* close_range */, on_close_range, go,
@@ -5140,6 +5183,8 @@ void transform(GumStalkerIterator *iterator, GumStalkerOutput *output, gpointer 
     }
     const uint8_t *gum = cw->code;
     gum_stalker_iterator_keep(iterator);
+    if (insn->id == X86_INS_SYSCALL)
+      gum_x86_writer_put_label(cw, vfork_done(insn->address));
     if (fast.code != NULL)
       finish_ic_fast_path(&fast, gum, cw->code);
   }

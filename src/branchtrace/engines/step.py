@@ -80,6 +80,7 @@ class _Thread:
         self.block_start = 0  #: first instruction of the current block
         self.last: int | None = None  #: last executed instruction of the current block
         self.signal_at: int | None = None  #: where a signal being delivered interrupted it
+        self.signal_caught = False  #: whether that signal has a handler to run
         self.records = 0
 
     def start(self, rip: int) -> None:
@@ -180,6 +181,20 @@ class StepEngine:
         finish_meta(meta, result, [])
         tracedir.write_meta(meta)
         return result
+
+
+def _caught(tid: int, sig: int) -> bool:
+    """Whether thread `tid` has a handler for signal `sig` (SigCgt in its status): a signal
+    without one, delivered as the thread single-steps, runs no code, and the step runs the
+    instruction the thread was at."""
+    try:
+        status = Path(f"/proc/{tid}/status").read_text()
+    except OSError:
+        return True  # as before: a delivery that moves the pc is taken for a handler's
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return True
 
 
 def _main_address(program: Path) -> tuple[int, bool]:
@@ -322,8 +337,15 @@ class _Session:
                 inject = sig
                 undelivered = tid in delivering and t.signal_at == rip
                 t.signal_at = rip
+                t.signal_caught = _caught(tid, sig)
                 delivering.add(tid)
                 self._fault(t, sig, rip, undelivered)
+            elif tid in delivering and not t.signal_caught:
+                # ignored (SIGCHLD's default): no handler, so the step ran the instruction
+                # the thread was at, as any step does
+                delivering.discard(tid)
+                t.signal_at = None
+                self._stepped(t, rip)
             elif tid in delivering:
                 delivering.discard(tid)
                 self._delivered(t, rip)
