@@ -255,6 +255,30 @@ def test_a_vfork_child_runs_nothing_in_its_parents_trace_and_takes_nothing_from_
     assert ours == [r for r in exe_branches(step, t_step, exe) if r[0] == exe]
 
 
+def test_a_thread_cancelled_in_a_system_call_is_traced_through_its_unwinding(tmp_path, programs):
+    # pthread_cancel() sends SIGCANCEL, whose handler glibc sets with the system call itself
+    # (its sigaction() refuses the signal to anyone else): the handler went unhooked, and
+    # ran natively with the unwinding and the cleanup handler, unmarked: the thread's trace
+    # went from its read() to its end (__call_tls_dtors, where it is followed again) as if
+    # called, 183 of the step engine's 315 branches missing and no GAP (set_glibcs_own in
+    # stalker_agent.c).
+    runs = {}
+    for engine in ("step", "stalker"):
+        res = record(tmp_path / engine, engine, programs["cancel"])
+        assert (res.returncode, res.stdout) == (0, "1\n"), (engine, res.stderr)
+        trace = branchtrace.open(tmp_path / engine)
+        main, cancelled = thread_order(trace)
+        assert trace.meta["threads"][str(cancelled)]["gaps"] == {}, engine
+        functions = trace.stats([cancelled])["functions"]
+        assert (functions["f"], functions["cleanup"]) == (2, 1), (engine, functions)
+        assert functions["_Unwind_ForcedUnwind"] >= 1 and functions["__pthread_unwind_next"] == 1
+        runs[engine] = (trace, main, cancelled)
+    (step, *step_threads), (stalker, *stalker_threads) = runs["step"], runs["stalker"]
+    exe = programs["cancel"].name
+    for t_step, t_stalker in zip(step_threads, stalker_threads, strict=True):
+        assert exe_calls(stalker, t_stalker, exe) == exe_calls(step, t_step, exe)
+
+
 def test_step_engine_traces_signal_handlers_and_longjmp_keeps_depth_bounded(tmp_path, programs):
     res = record(tmp_path / "sig", "step", programs["signal"])
     assert res.returncode == 0, res.stderr

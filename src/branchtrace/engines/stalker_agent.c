@@ -3260,8 +3260,12 @@ extern int sigaction(int sig, const void *act, void *old);
 void bt_note_set_handlers(void) {
   for (int sig = 1; sig <= 64; sig++) {
     uint8_t old[152] = {0}; /* glibc's struct sigaction, as in bt_on_sigaction */
-    if (sigaction(sig, NULL, old) != 0)
-      continue; /* SIGKILL, SIGSTOP, glibc's own (32, 33) */
+    BtSigaction kernels;
+    if (sigaction(sig, NULL, old) != 0) { /* SIGKILL, SIGSTOP, glibc's own (32, 33) */
+      if ((sig != 32 && sig != 33) || syscall(13 /* rt_sigaction */, sig, NULL, &kernels, 8))
+        continue;
+      *(void **)old = kernels.handler; /* set_glibcs_own */
+    }
     void *handler = (void *)handler_behind(sig, *(uint64_t *)old);
     if ((uint64_t)handler <= 1 || is_frida_code((uint64_t)handler))
       continue;
@@ -3281,7 +3285,14 @@ void bt_note_set_handlers(void) {
    the agent's hook on sigaction() notes it for deliver(), and the system call itself is
    made to change nothing.  Anything the kernel would refuse goes to it as asked. */
 
+static void set_glibcs_own(GumCpuContext *cpu);
+
 static void on_rt_sigaction(GumCpuContext *cpu, gpointer user_data) {
+  if ((cpu->rdi == 32 || cpu->rdi == 33) && cpu->rsi != 0 && cpu->r10 == 8 &&
+      !in_forked_child()) {
+    set_glibcs_own(cpu);
+    return;
+  }
   int i = fault_index((int)cpu->rdi);
   BtSigaction act, old;
   uint8_t glibc_act[152] = {0}, glibc_old[152] = {0}; /* glibc's struct sigaction */
@@ -3300,6 +3311,30 @@ static void on_rt_sigaction(GumCpuContext *cpu, gpointer user_data) {
   old.flags = *(uint32_t *)(glibc_old + 136);
   old.restorer = *(void **)(glibc_old + 144);
   old.mask = *(uint64_t *)(glibc_old + 8);
+  uint64_t local[2] = {(uint64_t)&old, sizeof old}, remote[2] = {cpu->rdx, sizeof old};
+  if (cpu->rdx != 0)
+    syscall(311 /* process_vm_writev */, getpid(), local, 1, remote, 1, 0);
+  cpu->rsi = 0; /* rt_sigaction(sig, NULL, NULL): 0, nothing changed */
+  cpu->rdx = 0;
+}
+
+/* glibc's own signals, SIGCANCEL (32: pthread_cancel()) and SIGSETXID (33: setuid() and
+   the like in a threaded process), whose handlers its sigaction() sets for nobody else:
+   glibc sets them with the system call itself, SIGCANCEL's as a thread first cancels
+   another.  They went unhooked, so a thread cancelled in a system call ran the handler,
+   the unwinding and its cleanup handlers natively, and its trace went on, with no GAP,
+   where the thread's end followed it again (__call_tls_dtors): `cancel` lost 183 of its
+   315 branches.  Here the call is made by the agent, the handler's entry hooked and the
+   signal stub put in front of it (adopt_handler), as for the program's own; the program's
+   call is left to ask for nothing, and told the old action. */
+static void set_glibcs_own(GumCpuContext *cpu) {
+  BtSigaction act, old;
+  if (!read_safely((const void *)cpu->rsi, &act, sizeof act))
+    return;
+  note_handler(act.handler);
+  if (syscall(13 /* rt_sigaction */, (int)cpu->rdi, &act, &old, 8) != 0)
+    return; /* the program's own call gets the same error */
+  adopt_handler((int)cpu->rdi, 0);
   uint64_t local[2] = {(uint64_t)&old, sizeof old}, remote[2] = {cpu->rdx, sizeof old};
   if (cpu->rdx != 0)
     syscall(311 /* process_vm_writev */, getpid(), local, 1, remote, 1, 0);
