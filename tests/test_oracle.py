@@ -279,6 +279,42 @@ def test_a_thread_cancelled_in_a_system_call_is_traced_through_its_unwinding(tmp
         assert exe_calls(stalker, t_stalker, exe) == exe_calls(step, t_step, exe)
 
 
+def test_a_jump_in_the_relocated_head_of_a_hooked_handler_is_decoded(tmp_path, programs):
+    # The agent hooks each handler's entry; Frida's trampoline runs the instructions the
+    # hook replaced relocated, recording nothing, so the `je` at the start of this -O2
+    # handler was lost whenever taken (SIGUSR1): the next block began at its target, with
+    # no branch there (a discontinuity per SIGUSR1 run).  The decoder now finds the jump in
+    # the file (decode.hook_heads).
+    from elftools.elf.elffile import ELFFile
+
+    program = programs["handlerhead"]
+    with program.open("rb") as f:  # the handler's first bytes, in the file
+        elf = ELFFile(f)
+        (symbol,) = elf.get_section_by_name(".symtab").get_symbol_by_name("handler")
+        text = elf.get_section_by_name(".text")
+        handler = symbol["st_value"]  # its offset in the module too: the file is PIE
+        at = handler - text["sh_addr"]
+        code = text.data()[at : at + 8]
+    first = next(Cs(CS_ARCH_X86, CS_MODE_64).disasm(code, 0, 1))
+    assert classify(code[first.size :], first.size)[0] == BranchKind.CONDITIONAL
+    assert first.size + 2 <= 5  # within the five bytes the hook's jump takes
+    traces = {}
+    for engine in ("step", "stalker"):
+        res = record(tmp_path / engine, engine, program, "6")
+        assert (res.returncode, res.stdout) == (0, "3 3\n"), (engine, res.stderr)
+        trace = branchtrace.open(tmp_path / engine)
+        (tid,) = trace.threads
+        problems, checked = discontinuities(trace, tid)
+        assert checked > 50 and not problems, (engine, problems[:10])
+        traces[engine] = (trace, tid)
+    (step, t_step), (stalker, t_stalker) = traces["step"], traces["stalker"]
+    exe = program.name
+    ours = exe_branches(stalker, t_stalker, exe)
+    assert ours == exe_branches(step, t_step, exe)
+    je = [r for r in ours if r[:2] == (exe, handler + first.size)]
+    assert len(je) == 3 and {r[4] for r in je} == {"CONDITIONAL"}  # the 3 runs for SIGUSR1
+
+
 def test_step_engine_traces_signal_handlers_and_longjmp_keeps_depth_bounded(tmp_path, programs):
     res = record(tmp_path / "sig", "step", programs["signal"])
     assert res.returncode == 0, res.stderr

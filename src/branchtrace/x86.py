@@ -45,6 +45,21 @@ def classify(code: bytes, address: int) -> tuple[int, int]:
     return NOT_A_BRANCH, insn.size
 
 
+def direct_jump(code: bytes, address: int) -> tuple[int, int, int]:
+    """(kind, length, target) of the instruction at `address`: kind JUMP or CONDITIONAL
+    with its target for a jump whose target is in the instruction, else (kind, length, 0)
+    as classify gives them."""
+    insn = next(_cs.disasm(code, address, 1), None)
+    if insn is None:
+        return UNKNOWN, 0, 0
+    kind, size = classify(insn.bytes, address)
+    if kind in (BranchKind.JUMP, BranchKind.CONDITIONAL) and insn.operands:
+        operand = insn.operands[0]
+        if operand.type == cx86.X86_OP_IMM:
+            return kind, size, int(operand.imm)
+    return kind, size, 0
+
+
 #: instructions that write or read the stack with no operand that says so
 _STACK_WRITES = {cx86.X86_INS_PUSH, cx86.X86_INS_PUSHFQ, cx86.X86_INS_CALL, cx86.X86_INS_ENTER}
 _STACK_READS = {cx86.X86_INS_POP, cx86.X86_INS_POPFQ, cx86.X86_INS_RET, cx86.X86_INS_LEAVE}

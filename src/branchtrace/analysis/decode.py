@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..symbols import ModuleMap
-from ..x86 import UNKNOWN, classify
+from ..x86 import NOT_A_BRANCH, UNKNOWN, classify, direct_jump
 from .kernels import (
     SIGNAL_DELIVERIES,
     Scan,
@@ -34,6 +34,39 @@ BRANCH_DTYPE = np.dtype(
 # bytes on: the file shows no branch, the next block starts a little later.  Those
 # instructions did run: a fall-through, not an interrupt.
 _HOOK_REACH = np.uint64(32)  #: bytes an x86-64 Interceptor hook relocates, at most
+
+
+def hook_heads(
+    kinds: np.ndarray, last: np.ndarray, sizes: np.ndarray, modules: ModuleMap
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each distinct block whose last instruction is no branch, the first jump in the
+    file within a hook's reach after it, when its target is in the instruction: (address,
+    target, kind), kind 0 where there is none.  A block that a hook's jump ended is
+    followed by the hooked function's head, run relocated by Frida, which records nothing:
+    a jump taken there shows only as the next block starting at its target (a signal
+    handler that begins `cmp edi, 10; je`)."""
+    at = np.zeros(kinds.size, np.uint64)
+    to = np.zeros(kinds.size, np.uint64)
+    kind = np.zeros(kinds.size, np.uint8)
+    for j in np.flatnonzero(kinds == NOT_A_BRANCH).tolist():
+        address = int(last[j]) + int(sizes[j])
+        m = int(modules.index(np.array([address], np.uint64))[0])
+        image = modules.image(m) if m >= 0 else None
+        if image is None:
+            continue
+        end = address + int(_HOOK_REACH)
+        code = image.read(modules.file_address(m, address), int(_HOOK_REACH) + 16)
+        pc = address
+        while pc < end and pc - address < len(code):
+            k, size, target = direct_jump(code[pc - address :], pc)
+            if k == UNKNOWN:
+                break
+            if k != NOT_A_BRANCH:
+                if target:
+                    at[j], to[j], kind[j] = pc, target, k
+                break
+            pc += size
+    return at, to, kind
 
 
 def classify_addresses(addresses: np.ndarray, modules: ModuleMap) -> tuple[np.ndarray, np.ndarray]:
@@ -69,6 +102,11 @@ class Blocks:
     handler_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: uint32: ... this many times (kernels.Scan)
     handler_times: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint32))
+    #: uint64, uint64, uint8 per distinct block (empty: none known): the jump in the
+    #: relocated head of a hooked function after it (hook_heads)
+    head_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    head_to: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    head_kind: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
 
     @classmethod
     def of_scan(
@@ -117,7 +155,10 @@ class Blocks:
 def scan(words: np.ndarray, modules: ModuleMap) -> Blocks:
     found = scan_blocks(np.ascontiguousarray(words, np.uint64))
     start, last = block_bounds(found.unique)
-    return Blocks.of_scan(found, start, last, *classify_addresses(last, modules))
+    kind, size = classify_addresses(last, modules)
+    blocks = Blocks.of_scan(found, start, last, kind, size)
+    blocks.head_at, blocks.head_to, blocks.head_kind = hook_heads(kind, last, size, modules)
+    return blocks
 
 
 _CHUNK = 1 << 23  #: blocks decoded at a time, to bound the temporaries
@@ -139,10 +180,13 @@ def branches_of(blocks: Blocks, first: int = 0) -> np.ndarray:
     src, dst = np.empty(chunk, np.uint64), np.empty(chunk, np.uint64)
     kind, block = np.empty(chunk, np.uint8), np.empty(chunk, np.int64)
     total = 0
+    heads = (blocks.head_at, blocks.head_to, blocks.head_kind)
+    if blocks.head_kind.size != blocks.start.size:
+        heads = (np.zeros_like(blocks.start), np.zeros_like(blocks.start), blocks.kind * 0)
     for lo in range(first, blocks.ids.size - 1, chunk - interrupts):
         hi = min(lo + chunk - interrupts, blocks.ids.size - 1)
         found = branch_part(  # type: ignore[call-arg]
-            lo, hi, _HOOK_REACH, *blocks.kernel_args(), src, dst, kind, block
+            lo, hi, _HOOK_REACH, *blocks.kernel_args(), *heads, src, dst, kind, block
         )
         part = out[total : total + found]
         part["from"], part["to"] = src[:found], dst[:found]

@@ -330,13 +330,18 @@ def branch_part(
     last,
     kind,
     size,
+    head_at,
+    head_to,
+    head_kind,
     out_from,
     out_to,
     out_kind,
     out_block,
 ):  # type: ignore[no-untyped-def]
     """The taken transfers from block i to block i+1 for lo <= i < hi, into the out_*
-    arrays (room for hi - lo, and one more per INTERRUPT break); returns how many.  See
+    arrays (room for hi - lo, and one more per INTERRUPT break); returns how many.  A
+    block that ends in no branch and is followed by one starting at the target of the jump
+    in the hooked head after it (head_*: decode.hook_heads) took that jump.  See
     decode.branches_of."""
     nbrk = break_at.size
     j = np.searchsorted(break_at, lo + 1)
@@ -395,6 +400,14 @@ def branch_part(
         k = _transfer_kind(src, start[b], kind[a], np.uint64(size[a]), hook_reach)
         if k != 0:
             c = _put(out_from, out_to, out_kind, out_block, c, src, start[b], k, i + 1)
+        elif (
+            head_kind[a] != 0
+            and head_to[a] == start[b]
+            and start[b] != src + np.uint64(size[a])  # a block split, run straight on
+        ):
+            c = _put(
+                out_from, out_to, out_kind, out_block, c, head_at[a], start[b], head_kind[a], i + 1
+            )
     return c
 
 
