@@ -255,6 +255,28 @@ def test_a_vfork_child_runs_nothing_in_its_parents_trace_and_takes_nothing_from_
     assert ours == [r for r in exe_branches(step, t_step, exe) if r[0] == exe]
 
 
+def test_a_signal_that_comes_as_vfork_returns_to_the_parent_runs_its_handler_traced(
+    tmp_path, programs
+):
+    # The child's exit releases its parent and sends it SIGCHLD, which the kernel delivers
+    # as the parent's vfork() returns: in put_vfork's own code, after its system call,
+    # where no instruction of the program's copy begins, so the handler ran natively,
+    # marked by a GAP (14 of 20 runs).  That place now counts as the program's next
+    # instruction (is_vfork_return in stalker_agent.c).
+    res = record(tmp_path / "d", "stalker", programs["vforksig"], "40")
+    assert res.returncode == 0 and res.stdout.startswith("40 rounds, "), res.stderr
+    signals = int(res.stdout.split()[2])
+    trace = branchtrace.open(tmp_path / "d")
+    (tid,) = trace.threads
+    problems, checked = discontinuities(trace, tid)
+    assert checked > 50 and not problems, problems[:10]
+    untraced = trace.meta["threads"][str(tid)]["gaps"].get("signal", 0)
+    history = trace.calls(tid)
+    handlers = history.segments[history.segments["how"] == HOW_SIGNAL]
+    traced = [history.function_name(int(f)) for f in handlers["function"]].count("on_child")
+    assert traced + untraced == signals and untraced <= 10, (traced, untraced, signals)
+
+
 def test_a_thread_cancelled_in_a_system_call_is_traced_through_its_unwinding(tmp_path, programs):
     # pthread_cancel() sends SIGCANCEL, whose handler glibc sets with the system call itself
     # (its sigaction() refuses the signal to anyone else): the handler went unhooked, and
