@@ -182,7 +182,11 @@ def branches_of(blocks: Blocks, first: int = 0) -> np.ndarray:
     total = 0
     heads = (blocks.head_at, blocks.head_to, blocks.head_kind)
     if blocks.head_kind.size != blocks.start.size:
-        heads = (np.zeros_like(blocks.start), np.zeros_like(blocks.start), blocks.kind * 0)
+        heads = (
+            np.zeros_like(blocks.start),
+            np.zeros_like(blocks.start),
+            np.zeros_like(blocks.kind),
+        )
     for lo in range(first, blocks.ids.size - 1, chunk - interrupts):
         hi = min(lo + chunk - interrupts, blocks.ids.size - 1)
         found = branch_part(  # type: ignore[call-arg]

@@ -3221,8 +3221,8 @@ static uint64_t copied_instruction_at(const BtCopy *found, uint64_t pc, uint64_t
     return address;
   /* The parent back from put_vfork's own system call: a signal pending as it returns (the
      SIGCHLD of a child that has exited) comes right after it, where the program's next
-     instruction is due.  Its handler ran natively there, marked by a GAP (14 of 20 runs of
-     vfsig's SIGCHLD handler). */
+     instruction is due.  Its handler ran natively there, marked by a GAP (37 of 40 runs of
+     vforksig's SIGCHLD handler). */
   if (found->offsets[k] < at && is_syscall_at(address) && is_vfork_return(pc))
     return address + 2;
   return 0;
@@ -4865,11 +4865,11 @@ static void put_vfork(GumX86Writer *cw, uint64_t address) {
   uint8_t call[] = {0x0f, 0x05,       /* syscall */
                     0x48, 0x89, 0xc1, /* mov rcx, rax */
                     0xe3, 0x0f,       /* jrcxz child (over the movabs and the jmp) */
-                    0x48, 0xb9, [17] = 0};
+                    0x48, 0xb9, [16] = 0}; /* movabs rcx, back */
   uint64_t back = address + 2;
   for (int i = 0; i < 8; i++)
     call[9 + i] = (uint8_t)(back >> (8 * i));
-  put_bytes(cw, call, 17);
+  put_bytes(cw, call, sizeof call);
   gum_x86_writer_put_jmp_near_label(cw, vfork_done(address));
   uint8_t child[12] = {0x48, 0xb9, [10] = 0xff, 0xe1}; /* movabs rcx, back; jmp rcx */
   for (int i = 0; i < 8; i++)
