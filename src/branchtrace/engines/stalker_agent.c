@@ -3341,8 +3341,8 @@ static void on_rt_sigaction(GumCpuContext *cpu, gpointer user_data) {
    glibc sets them with the system call itself, SIGCANCEL's as a thread first cancels
    another.  They went unhooked, so a thread cancelled in a system call ran the handler,
    the unwinding and its cleanup handlers natively, and its trace went on, with no GAP,
-   where the thread's end followed it again (__call_tls_dtors): `cancel` lost 183 of its
-   315 branches.  Here the call is made by the agent, the handler's entry hooked and the
+   where the thread's end followed it again (__call_tls_dtors): a thread cancelled in
+   sleep() had 132 distinct branches where the step engine had 315.  Here the call is made by the agent, the handler's entry hooked and the
    signal stub put in front of it (adopt_handler), as for the program's own; the program's
    call is left to ask for nothing, and told the old action. */
 static void set_glibcs_own(GumCpuContext *cpu) {
