@@ -1,4 +1,7 @@
-/* A thread cancelled while it waits in read() (a cancellation point): main starts it,
+/* cflags: -O0 -g -fno-inline -fno-omit-frame-pointer -Wl,-z,now
+   (bound at load: which thread first calls read() through the PLT, and so goes through
+   the lazy binder, is the threads' race)
+   A thread cancelled while it waits in read() (a cancellation point): main starts it,
    waits until it has called f(2) and is about to block, and cancels it.  glibc delivers
    SIGCANCEL, whose handler (glibc's own) unwinds the thread, running its cleanup handler,
    which calls f(1).  Prints 1 if the thread ended cancelled. */
