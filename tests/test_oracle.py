@@ -301,6 +301,28 @@ def test_a_thread_cancelled_in_a_system_call_is_traced_through_its_unwinding(tmp
         assert exe_calls(stalker, t_stalker, exe) == exe_calls(step, t_step, exe)
 
 
+def test_setuid_in_a_threaded_program_runs_glibcs_handler_traced_in_its_threads(tmp_path, programs):
+    # SIGSETXID goes to every thread glibc knows: the program's run its handler traced
+    # (set_glibcs_own in stalker_agent.c; before, natively and unmarked), and its runs on
+    # Frida's threads, which have credentials to change too, are no handler of the
+    # program's run off the trace: not counted as such (30 for 5 calls).
+    res = record(tmp_path / "d", "stalker", programs["setxid"], "5")
+    assert (res.returncode, res.stdout) == (0, "ok\n"), res.stderr
+    assert "outside the trace" not in res.stderr, res.stderr
+    trace = branchtrace.open(tmp_path / "d")
+    assert trace.meta["handlers_off_trace"] == 0
+    runs, handlers = 0, set()
+    for tid in trace.threads:
+        problems, checked = discontinuities(trace, tid)
+        assert checked > 20 and not problems, (tid, problems[:10])
+        b = trace.branches(tid)
+        entered = set(b["to"][b["kind"] == BranchKind.INTERRUPT].tolist())
+        handlers.update(entered)
+        runs += int((b["kind"] == BranchKind.INTERRUPT).sum())
+        runs += trace.meta["threads"][str(tid)]["gaps"].get("signal", 0)
+    assert runs == 2 * 5 and len(handlers) == 1  # each of the two threads, once per call
+
+
 def test_a_jump_in_the_relocated_head_of_a_hooked_handler_is_decoded(tmp_path, programs):
     # The agent hooks each handler's entry; Frida's trampoline runs the instructions the
     # hook replaced relocated, recording nothing, so the `je` at the start of this -O2

@@ -2753,7 +2753,11 @@ static int signal_enter(BtThread *t, int forked, long sig, void *info, uint8_t *
   if (forked || handler == 0)
     return 0;
   if (t == NULL) { /* one of Frida's threads, or one of the program's not traced */
-    g_atomic_int_add((int *)stub_slot(BT_SIGSTUB_OFF_TRACE), 1);
+    /* not glibc's own: setuid() and the like send SIGSETXID to every thread glibc knows,
+       Frida's too, each of which must change its credentials (SIGCANCEL goes to the
+       thread cancelled only) */
+    if (sig != 32 && sig != 33)
+      g_atomic_int_add((int *)stub_slot(BT_SIGSTUB_OFF_TRACE), 1);
     return 0;
   }
   if (t->closed || t->in_c || t->leaving || t->handlers_running >= BT_HANDLER_DEPTH ||
