@@ -28,36 +28,37 @@ _cs.detail = True
 def classify(code: bytes, address: int) -> tuple[int, int]:
     """(kind, length) of the instruction at `address`; kind NOT_A_BRANCH if not a branch,
     UNKNOWN (length 0) if `code` does not start with a valid instruction."""
-    insn = next(_cs.disasm(code, address, 1), None)
-    if insn is None:
-        return UNKNOWN, 0
-    direct = bool(insn.operands) and insn.operands[0].type == cx86.X86_OP_IMM
-    if insn.group(CS_GRP_CALL):
-        return (BranchKind.CALL if direct else BranchKind.INDIRECT_CALL), insn.size
-    if insn.group(CS_GRP_RET):
-        return BranchKind.RETURN, insn.size
-    if insn.group(CS_GRP_JUMP):
-        if insn.id == cx86.X86_INS_JMP:
-            return (BranchKind.JUMP if direct else BranchKind.INDIRECT_JUMP), insn.size
-        return BranchKind.CONDITIONAL, insn.size
-    if insn.id in (cx86.X86_INS_SYSCALL, cx86.X86_INS_SYSENTER) or insn.group(CS_GRP_INT):
-        return BranchKind.SYSCALL, insn.size
-    return NOT_A_BRANCH, insn.size
+    kind, size, _ = direct_jump(code, address)
+    return kind, size
 
 
 def direct_jump(code: bytes, address: int) -> tuple[int, int, int]:
-    """(kind, length, target) of the instruction at `address`: kind JUMP or CONDITIONAL
-    with its target for a jump whose target is in the instruction, else (kind, length, 0)
-    as classify gives them."""
+    """classify's (kind, length), and the target of a jump or call whose target is in the
+    instruction (0 for any other)."""
     insn = next(_cs.disasm(code, address, 1), None)
     if insn is None:
         return UNKNOWN, 0, 0
-    kind, size = classify(insn.bytes, address)
-    if kind in (BranchKind.JUMP, BranchKind.CONDITIONAL) and insn.operands:
-        operand = insn.operands[0]
-        if operand.type == cx86.X86_OP_IMM:
-            return kind, size, int(operand.imm)
-    return kind, size, 0
+    direct = bool(insn.operands) and insn.operands[0].type == cx86.X86_OP_IMM
+    target = int(insn.operands[0].imm) if direct else 0
+    if insn.group(CS_GRP_CALL):
+        return (
+            (BranchKind.CALL, insn.size, target)
+            if direct
+            else (BranchKind.INDIRECT_CALL, insn.size, 0)
+        )
+    if insn.group(CS_GRP_RET):
+        return BranchKind.RETURN, insn.size, 0
+    if insn.group(CS_GRP_JUMP):
+        if insn.id == cx86.X86_INS_JMP:
+            return (
+                (BranchKind.JUMP, insn.size, target)
+                if direct
+                else (BranchKind.INDIRECT_JUMP, insn.size, 0)
+            )
+        return BranchKind.CONDITIONAL, insn.size, target
+    if insn.id in (cx86.X86_INS_SYSCALL, cx86.X86_INS_SYSENTER) or insn.group(CS_GRP_INT):
+        return BranchKind.SYSCALL, insn.size, 0
+    return NOT_A_BRANCH, insn.size, 0
 
 
 #: instructions that write or read the stack with no operand that says so

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..store import BranchKind
 from ..symbols import ModuleMap
 from ..x86 import NOT_A_BRANCH, UNKNOWN, classify, direct_jump
 from .kernels import (
@@ -62,7 +63,7 @@ def hook_heads(
             if k == UNKNOWN:
                 break
             if k != NOT_A_BRANCH:
-                if target:
+                if k in (BranchKind.JUMP, BranchKind.CONDITIONAL) and target:
                     at[j], to[j], kind[j] = pc, target, k
                 break
             pc += size

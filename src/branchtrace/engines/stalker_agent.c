@@ -4823,18 +4823,20 @@ static int put_renewal(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread 
    (on_exit_syscall); close and close_range spare Frida's files (on_close, on_close_range).
    Each check is a lea and a jrcxz (rcx, which the syscall overwrites anyway), so that no
    flag changes; a callout costs about 115 ns, so only these calls pay one. */
-static void put_check(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
-                      int32_t nr, GumStalkerCallout callout, gconstpointer go,
-                      gconstpointer next) {
+static void put_unless_nr(GumX86Writer *cw, int32_t nr, gconstpointer next) {
   uint8_t check[] = {
       0x48, 0x8d, 0x88, 0, 0, 0, 0, /* lea rcx, [rax-nr] */
       0xe3, 0x05,                   /* jrcxz (over the jmp) */
   };
-  int32_t minus = -nr;
-  for (int i = 0; i < 4; i++)
-    check[3 + i] = (uint8_t)((uint32_t)minus >> (8 * i));
+  *(int32_t *)(check + 3) = -nr;
   put_bytes(cw, check, sizeof check);
   gum_x86_writer_put_jmp_near_label(cw, next);
+}
+
+static void put_check(GumStalkerIterator *iterator, GumX86Writer *cw, BtThread *t,
+                      int32_t nr, GumStalkerCallout callout, gconstpointer go,
+                      gconstpointer next) {
+  put_unless_nr(cw, nr, next);
   put_callout(iterator, cw, t, callout, t);
   gum_x86_writer_put_jmp_near_label(cw, go);
   gum_x86_writer_put_label(cw, next);
@@ -4862,22 +4864,16 @@ static gconstpointer vfork_done(uint64_t address) {
 
 static void put_vfork(GumX86Writer *cw, uint64_t address) {
   gconstpointer next = (gconstpointer)(address | (1ULL << 53));
-  static const uint8_t check[] = {0x48, 0x8d, 0x48, 0xc6, /* lea rcx, [rax-58] */
-                                  0xe3, 0x05};            /* jrcxz (over the jmp) */
-  put_bytes(cw, check, sizeof check);
-  gum_x86_writer_put_jmp_near_label(cw, next);
-  uint8_t call[] = {0x0f, 0x05,       /* syscall */
-                    0x48, 0x89, 0xc1, /* mov rcx, rax */
-                    0xe3, 0x0f,       /* jrcxz child (over the movabs and the jmp) */
-                    0x48, 0xb9, [16] = 0}; /* movabs rcx, back */
-  uint64_t back = address + 2;
-  for (int i = 0; i < 8; i++)
-    call[9 + i] = (uint8_t)(back >> (8 * i));
+  put_unless_nr(cw, 58 /* vfork */, next);
+  uint8_t call[17] = {0x0f, 0x05,       /* syscall */
+                      0x48, 0x89, 0xc1, /* mov rcx, rax */
+                      0xe3, 0x0f,       /* jrcxz child (over the movabs and the jmp) */
+                      0x48, 0xb9};      /* movabs rcx, back */
+  *(uint64_t *)(call + 9) = address + 2;
   put_bytes(cw, call, sizeof call);
   gum_x86_writer_put_jmp_near_label(cw, vfork_done(address));
   uint8_t child[12] = {0x48, 0xb9, [10] = 0xff, 0xe1}; /* movabs rcx, back; jmp rcx */
-  for (int i = 0; i < 8; i++)
-    child[2 + i] = (uint8_t)(back >> (8 * i));
+  *(uint64_t *)(child + 2) = address + 2;
   put_bytes(cw, child, sizeof child);
   gum_x86_writer_put_label(cw, next);
 }

@@ -432,6 +432,7 @@ function findGumReader() {
   const agentStart = ptr('0x' + agentCode[0][0].toString(16));
   if (PARAMS.gumReaderMatch !== null) {
     const match = agentStart.add(PARAMS.gumReaderMatch);
+    // bt_gum_reader_at reads up to 135 bytes from the match on
     const inCode = code.some((m) => match.compare(m.start) >= 0 && match.add(160).compare(m.end) <= 0);
     const reader = inCode ? gumReaderAt(match) : NULL;
     if (!reader.isNull()) {
