@@ -3,6 +3,7 @@ generated record streams (hypothesis)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import numpy as np
@@ -23,6 +24,8 @@ from branchtrace.analysis.kernels import (
     HOW_RETURN,
     HOW_SIGNAL,
     HOW_START,
+    BlockScanner,
+    CallWalker,
     block_bounds,
     call_segments,
     scan_blocks,
@@ -211,6 +214,52 @@ def test_a_signal_at_the_entry_of_the_handler_just_entered_is_a_second_delivery(
         (0, 1, 1, 2, 1, 2, 0),  # function
         (HOW_START, HOW_SIGNAL, HOW_SIGNAL, HOW_JUMP, HOW_RETURN, HOW_JUMP, HOW_RETURN),
     ]
+
+
+def made_up_tables(unique: np.ndarray) -> tuple[np.ndarray, ...]:
+    """start, last, kind, size, func of each distinct block word, made up from the word
+    alone (the same whichever piece found it): every kind of last instruction, five
+    functions whose entries are among the blocks' starts."""
+    start, last = block_bounds(unique)
+    choices = np.array([NOT_A_BRANCH, *map(int, BranchKind)], np.uint8)
+    kind = choices[(unique % np.uint64(choices.size)).astype(np.int64)]
+    size = np.uint64(1) + (unique >> np.uint64(3)) % np.uint64(15)
+    func = ((start >> np.uint64(4)) % np.uint64(6)).astype(np.int64) - 1  # -1: no symbol
+    return start, last, kind, size, func
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams, st.lists(st.integers(0, 300), max_size=8))
+def test_scanning_and_walking_piece_by_piece_agrees_with_the_whole(recs, cuts):
+    """A thread's words decoded a piece at a time (views of traces larger than memory):
+    the same blocks, breaks, handler runs and call history as decoded whole, wherever
+    the pieces are cut between records (a signal's deliveries chained before a block of
+    the next piece, lost records after them, ...)."""
+    record_list = [record_words(*r) for r in recs]
+    bounds = [0, *sorted({min(c, len(recs)) for c in cuts}), len(recs)]
+    pieces = [
+        np.array([w for r in record_list[a:b] for w in r], dtype=np.uint64)
+        for a, b in itertools.pairwise(bounds)
+    ]
+    whole = scan_blocks(np.concatenate(pieces))
+    func_start = np.array([0x1000 + 16 * f for f in range(5)], np.uint64)
+    scanner, walker = BlockScanner(), CallWalker()
+    ids, segments = [], []
+    for piece in pieces:
+        found = scanner.feed(piece)
+        ids.append(found)
+        tables = made_up_tables(scanner.distinct)
+        segments.append([a.copy() for a in walker.walk_piece(scanner, found, *tables, func_start)])
+    got = scanner.finish(np.concatenate(ids))
+    for name, want in whole._asdict().items():
+        assert np.array_equal(getattr(got, name), want), name
+    want_segments = call_segments(
+        *whole[:4], *made_up_tables(whole.unique)[:4], made_up_tables(whole.unique)[4], func_start
+    )
+    for got_column, want_column in zip(
+        (np.concatenate(c) for c in zip(*segments, strict=True)), want_segments, strict=True
+    ):
+        assert got_column.tolist() == want_column.tolist()
 
 
 def reference_branches(b: Blocks) -> list[tuple[int, int, int, int]]:

@@ -17,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import branchtrace
-from branchtrace.analysis.kernels import HOW_CALL
+from branchtrace.analysis.decode import scan
+from branchtrace.analysis.kernels import HOW_CALL, SIGNAL_DELIVERIES
+from branchtrace.analysis.trace import Trace, faults_in
 from branchtrace.cli.views import _json_strings
 from branchtrace.store.tracedir import thread_label
 
@@ -363,3 +365,39 @@ def test_json_strings_encode_each_text_as_json_dumps_would(texts):
     assert _json_strings(texts) == [json.dumps(text) for text in texts]
     nullable = _json_strings(texts, empty="null")
     assert [json.loads(x) for x in nullable] == [text or None for text in texts]
+
+
+@pytest.mark.parametrize(
+    ("name", "args"), [("sighandlers", ()), ("faults", ("recover",)), ("threads", ())]
+)
+def test_a_trace_decoded_a_piece_at_a_time_reads_as_decoded_whole(tmp_path, programs, name, args):
+    """Views read a thread's words a piece at a time (a trace of billions of blocks does
+    not fit in memory): cut into pieces of 5 words, between records, its blocks, breaks,
+    handler runs, faults and call counts are those of its words decoded in one go."""
+    path = recorded(tmp_path, programs[name], *args)
+    whole = branchtrace.open(path)
+    pieces = whole.dir.word_pieces(whole.threads[0], 5)
+    assert sum(1 for _ in pieces) > 100
+    for piece_words in (None, 5):
+        trace = Trace(path, piece_words=piece_words)
+        for tid in whole.threads:
+            words = whole.words(tid)
+            want = scan(words, whole.modules(tid))
+            got = trace.blocks(tid)
+            for column in ("ids", "break_at", "break_kind", "break_detail", "start", "last"):
+                assert np.array_equal(getattr(got, column), getattr(want, column)), column
+            for column in ("kind", "size", "handler_at", "handler_times", "head_kind"):
+                assert np.array_equal(getattr(got, column), getattr(want, column)), column
+            assert trace.faults(tid) == faults_in(words)
+        # stats never keeps a thread's blocks: a walk of its own, piece by piece
+        per_thread = Trace(path, piece_words=piece_words).stats()["threads"]
+        assert per_thread == {
+            thread_label(tid): whole.calls(tid).call_counts() for tid in whole.threads
+        }
+    kinds = np.concatenate([whole.blocks(tid).break_kind for tid in whole.threads])
+    if name == "sighandlers":  # signals delivered to traced handlers, nested ones too
+        assert np.isin(kinds, SIGNAL_DELIVERIES).sum() >= 3
+    if name == "faults":
+        assert len(whole.faults(whole.threads[0])) == 3
+    if name == "threads":
+        assert len(whole.threads) == 5

@@ -19,10 +19,10 @@ from ..symbols import ModuleMap
 from ..x86 import NOT_A_BRANCH, UNKNOWN, classify, direct_jump
 from .kernels import (
     SIGNAL_DELIVERIES,
+    BlockScanner,
     Scan,
     block_bounds,
     branch_part,
-    scan_blocks,
 )
 
 #: aligned (32 bytes a branch): filling 100M packed 25-byte records costs three times more
@@ -153,13 +153,46 @@ class Blocks:
         )
 
 
-def scan(words: np.ndarray, modules: ModuleMap) -> Blocks:
-    found = scan_blocks(np.ascontiguousarray(words, np.uint64))
+class DistinctBlocks:
+    """Per distinct block a BlockScanner found: start, last instruction's address, kind
+    and length, and the id of the function it starts in; grown as the scanner finds more,
+    each block decoded once."""
+
+    def __init__(self, modules: ModuleMap) -> None:
+        self.modules = modules
+        self.start = np.zeros(0, np.uint64)
+        self.last = np.zeros(0, np.uint64)
+        self.kind = np.zeros(0, np.uint8)
+        self.size = np.zeros(0, np.uint64)
+        self.func = np.zeros(0, np.int64)
+
+    def update(self, unique: np.ndarray) -> None:
+        """Take in the blocks of `unique` (the scanner's, by id) not yet known."""
+        new = unique[self.start.size :]
+        if new.size == 0:
+            return
+        start, last = block_bounds(new)
+        kind, size = classify_addresses(last, self.modules)
+        func, _ = self.modules.function_ids(start)
+        self.start = np.concatenate([self.start, start])
+        self.last = np.concatenate([self.last, last])
+        self.kind = np.concatenate([self.kind, kind])
+        self.size = np.concatenate([self.size, size])
+        self.func = np.concatenate([self.func, func.astype(np.int64)])
+
+
+def blocks_of(found: Scan, modules: ModuleMap) -> Blocks:
+    """The Blocks of a scan, each distinct block decoded."""
     start, last = block_bounds(found.unique)
     kind, size = classify_addresses(last, modules)
     blocks = Blocks.of_scan(found, start, last, kind, size)
     blocks.head_at, blocks.head_to, blocks.head_kind = hook_heads(kind, last, size, modules)
     return blocks
+
+
+def scan(words: np.ndarray, modules: ModuleMap) -> Blocks:
+    scanner = BlockScanner()
+    return blocks_of(scanner.finish(scanner.feed(words)), modules)
 
 
 _CHUNK = 1 << 23  #: blocks decoded at a time, to bound the temporaries

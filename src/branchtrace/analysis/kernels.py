@@ -104,6 +104,7 @@ def _scan_part(
     words,
     state,
     ids,
+    base,
     keys,
     vals,
     bits,
@@ -115,7 +116,8 @@ def _scan_part(
     handler_times,
 ):  # type: ignore[no-untyped-def]
     """Scan from state[0] until done or an array is full; state = [i, m, k, nbreaks,
-    pending, pending_detail, nhandlers]."""
+    pending, pending_detail, nhandlers].  Block m is the thread's m-th, written to
+    ids[m - base]: the words may be one piece of the thread's, after blocks 0..base-1."""
     n = words.size
     i, m, k, nbreaks, pending = state[0], state[1], state[2], state[3], state[4]
     pending_detail = np.uint64(state[5])
@@ -206,7 +208,7 @@ def _scan_part(
             vals[h] = k
             v = k
             k += 1
-        ids[m] = v
+        ids[m - base] = v
         if pending != 0:
             break_at[nbreaks] = m
             break_kind[nbreaks] = pending
@@ -244,38 +246,91 @@ class Scan(NamedTuple):
     handler_times: np.ndarray  #: uint32
 
 
+class BlockScanner:
+    """scan_blocks over a thread's words fed a piece at a time (each whole records), in
+    order: each piece's block ids come back as it is fed, and only the distinct blocks,
+    the breaks and the handler runs are kept, so that a trace of billions of blocks is
+    read in the memory of one piece.  Block indices (break_at, handler_at) count from the
+    first block of the first piece."""
+
+    def __init__(self) -> None:
+        self.bits = 4
+        self.unique = np.empty(1 << (self.bits - 1), np.uint64)
+        self.keys, self.vals = _table(self.unique, 0, self.bits)
+        self.breaks = (np.empty(16, np.int64), np.empty(16, np.uint8), np.empty(16, np.uint64))
+        self.handlers = (np.empty(16, np.int64), np.empty(16, np.uint32))
+        self.state = np.zeros(7, np.int64)
+
+    @property
+    def block_count(self) -> int:
+        """Blocks fed so far."""
+        return int(self.state[1])
+
+    @property
+    def distinct(self) -> np.ndarray:
+        """The BLOCK word of each distinct block so far, by id."""
+        return self.unique[: int(self.state[2])]
+
+    @property
+    def break_count(self) -> int:
+        """Breaks final so far (more may come before block `block_count`)."""
+        return int(self.state[3])
+
+    def feed(self, words: np.ndarray) -> np.ndarray:
+        """The ids of the blocks in `words`, the next piece (int32)."""
+        words = np.ascontiguousarray(words, np.uint64)
+        ids = np.empty(words.size, np.int32)  # at most a block a word
+        base = self.block_count
+        self.state[0] = 0
+        while True:
+            why = _scan_part(
+                words,
+                self.state,
+                ids,
+                base,
+                self.keys,
+                self.vals,
+                self.bits,
+                self.unique,
+                *self.breaks,
+                *self.handlers,
+            )
+            if why == _DONE:
+                return ids[: self.block_count - base]
+            if why == _FULL_TABLE:
+                self.bits += 1
+                self.keys, self.vals = _table(self.unique, int(self.state[2]), self.bits)
+            elif why == _FULL_UNIQUE:
+                self.unique = _doubled(self.unique)
+            elif why == _FULL_HANDLERS:
+                self.handlers = (_doubled(self.handlers[0]), _doubled(self.handlers[1]))
+            else:
+                self.breaks = tuple(_doubled(a) for a in self.breaks)  # type: ignore[assignment]
+
+    def breaks_before(self, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(at, kind, detail) of the breaks before blocks up to `end` (exclusive) that are
+        final: those of blocks fed, not of the one to come."""
+        n = self.break_count
+        k = int(np.searchsorted(self.breaks[0][:n], end, side="left"))
+        return self.breaks[0][:k], self.breaks[1][:k], self.breaks[2][:k]
+
+    def finish(self, ids: np.ndarray) -> Scan:
+        """The Scan of everything fed, with the blocks' `ids` (every piece's, in order)."""
+        m, nbreaks, nhandlers = self.block_count, self.break_count, int(self.state[6])
+        at, why = self.breaks[0][:nbreaks], self.breaks[1][:nbreaks]
+        detail = self.breaks[2][:nbreaks]
+        if self.state[4] != BREAK_NONE:  # records lost, or code untraced, after the last block
+            at = np.append(at, np.int64(m))
+            why = np.append(why, np.uint8(self.state[4]))
+            detail = np.append(detail, self.state[5:6].view(np.uint64))
+        handler_at, handler_times = self.handlers[0][:nhandlers], self.handlers[1][:nhandlers]
+        return Scan(ids, at, why, detail, self.distinct, handler_at, handler_times)
+
+
 def scan_blocks(words: np.ndarray) -> Scan:
     """The executed blocks, the chain's breaks and the untraced handler runs in `words`."""
-    words = np.ascontiguousarray(words, np.uint64)
-    ids = np.empty(words.size, np.int32)
-    bits = 4
-    unique = np.empty(1 << (bits - 1), np.uint64)
-    keys, vals = _table(unique, 0, bits)
-    breaks = (np.empty(16, np.int64), np.empty(16, np.uint8), np.empty(16, np.uint64))
-    handlers = (np.empty(16, np.int64), np.empty(16, np.uint32))
-    state = np.zeros(7, np.int64)
-    while True:
-        why = _scan_part(words, state, ids, keys, vals, bits, unique, *breaks, *handlers)
-        if why == _DONE:
-            break
-        if why == _FULL_TABLE:
-            bits += 1
-            keys, vals = _table(unique, int(state[2]), bits)
-        elif why == _FULL_UNIQUE:
-            unique = _doubled(unique)
-        elif why == _FULL_HANDLERS:
-            handlers = (_doubled(handlers[0]), _doubled(handlers[1]))
-        else:
-            breaks = (_doubled(breaks[0]), _doubled(breaks[1]), _doubled(breaks[2]))
-    m, k, nbreaks, nhandlers = int(state[1]), int(state[2]), int(state[3]), int(state[6])
-    at, why, detail = breaks[0][:nbreaks], breaks[1][:nbreaks], breaks[2][:nbreaks]
-    if state[4] != BREAK_NONE:  # records lost, or code untraced, after the last block
-        at = np.append(at, np.int64(m))
-        why = np.append(why, np.uint8(state[4]))
-        detail = np.append(detail, state[5:6].view(np.uint64))
-    return Scan(
-        ids[:m], at, why, detail, unique[:k], handlers[0][:nhandlers], handlers[1][:nhandlers]
-    )
+    scanner = BlockScanner()
+    return scanner.finish(scanner.feed(words))
 
 
 def block_bounds(unique: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -615,26 +670,88 @@ def call_segments(
     another signal came at its first instruction: a segment with no block of its own.
     Depths start at 0 for the oldest block and may go negative for a trace that begins
     mid-stack; callers rebase them."""
-    cap = 1024
-    seg = [np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)]
-    seg.append(np.empty(cap, np.uint8))
-    if ids.size == 0:
-        return seg[0][:0], seg[1][:0], seg[2][:0], seg[3][:0]
-    ret, caller = np.empty(256, np.uint64), np.empty(256, np.int64)
-    first = int(func[ids[0]])
-    seg[0][0], seg[1][0], seg[2][0], seg[3][0] = 0, 0, first, HOW_START
-    state = np.array([0, 0, 0, first, 1, 0], np.int64)
-    args = (ids, break_at, break_kind, break_detail, start, last, kind, size, func, func_start)
-    while True:
-        why = _calls_part(*args, state, ret, caller, *seg)
-        if why == _DONE:
-            break
-        if why == _FULL_OUTPUT:
-            seg = [_doubled(a) for a in seg]
-        else:
-            ret, caller = _doubled(ret), _doubled(caller)
-    s = int(state[4])
-    return seg[0][:s], seg[1][:s], seg[2][:s], seg[3][:s]
+    return CallWalker().walk(
+        ids, break_at, break_kind, break_detail, start, last, kind, size, func, func_start
+    )
+
+
+class CallWalker:
+    """call_segments over a thread's blocks given a piece at a time, in order: the shadow
+    stack, depth and current function carry over from piece to piece."""
+
+    def __init__(self) -> None:
+        self.ret, self.caller = np.empty(256, np.uint64), np.empty(256, np.int64)
+        cap = 1024
+        self.seg = [np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)]
+        self.seg.append(np.empty(cap, np.uint8))
+        self.state = np.zeros(6, np.int64)
+        self.started = False
+        self.previous = np.zeros(0, np.int32)  #: the last block walked (walk_piece)
+
+    def walk_piece(
+        self,
+        scanner: BlockScanner,
+        ids: np.ndarray,
+        start: np.ndarray,
+        last: np.ndarray,
+        kind: np.ndarray,
+        size: np.ndarray,
+        func: np.ndarray,
+        func_start: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """walk() of the blocks `scanner` just found in a piece (`ids`, what its feed()
+        returned), with the breaks it found before them; first blocks counted from the
+        thread's first.  The tables are per distinct block found so far."""
+        if ids.size == 0:
+            return tuple(a[:0] for a in self.seg)  # type: ignore[return-value]
+        origin = scanner.block_count - ids.size - self.previous.size  # that of ids[0] here
+        if self.previous.size:
+            ids = np.concatenate([self.previous, ids])
+        at, why, detail = scanner.breaks_before(origin + ids.size)
+        lo = int(np.searchsorted(at, origin + 1))
+        first, depth, fid, how = self.walk(
+            ids, at[lo:] - origin, why[lo:], detail[lo:], start, last, kind, size, func, func_start
+        )
+        self.previous = ids[-1:].copy()
+        return first + origin, depth, fid, how
+
+    def walk(
+        self,
+        ids: np.ndarray,
+        break_at: np.ndarray,
+        break_kind: np.ndarray,
+        break_detail: np.ndarray,
+        start: np.ndarray,
+        last: np.ndarray,
+        kind: np.ndarray,
+        size: np.ndarray,
+        func: np.ndarray,
+        func_start: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The segments begun in `ids` as call_segments' columns (first block: an index
+        into `ids`), valid until the next walk.  After the first piece, ids[0] must be the
+        previous piece's last block, and the breaks those before ids[1:] (break_at
+        indexing `ids`)."""
+        seg, state = self.seg, self.state
+        state[0], state[4], state[5] = 0, 0, 0
+        if not self.started:
+            if ids.size == 0:
+                return seg[0][:0], seg[1][:0], seg[2][:0], seg[3][:0]
+            first = int(func[ids[0]])
+            seg[0][0], seg[1][0], seg[2][0], seg[3][0] = 0, 0, first, HOW_START
+            state[3], state[4] = first, 1
+            self.started = True
+        args = (ids, break_at, break_kind, break_detail, start, last, kind, size, func, func_start)
+        while True:
+            why = _calls_part(*args, state, self.ret, self.caller, *seg)
+            if why == _DONE:
+                break
+            if why == _FULL_OUTPUT:
+                seg = self.seg = [_doubled(a) for a in seg]
+            else:
+                self.ret, self.caller = _doubled(self.ret), _doubled(self.caller)
+        s = int(state[4])
+        return seg[0][:s], seg[1][:s], seg[2][:s], seg[3][:s]
 
 
 @nb.njit(cache=True, nogil=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -32,7 +33,7 @@ from ..store.format import (
 )
 from ..store.tracedir import TraceDir, thread_label
 from ..symbols import ModuleMap
-from .decode import Blocks, branches_of, scan
+from .decode import Blocks, DistinctBlocks, blocks_of, branches_of
 from .kernels import (
     BREAK_GAP,
     BREAK_LOST,
@@ -40,6 +41,8 @@ from .kernels import (
     HOW_CALL,
     HOW_TAIL,
     SIGNAL_DELIVERIES,
+    BlockScanner,
+    CallWalker,
     call_segments,
 )
 
@@ -257,17 +260,23 @@ class CallHistory:
     def call_counts(self) -> dict[str, int]:
         """Calls per function name (tail calls included; PLT stubs are not functions of
         their own: the function behind one counts), most called first."""
-        return _call_counts(self.segments["function"], self.segments["how"], self.names)
+        counts = _calls_per_function(self.segments["function"], self.segments["how"], self.names)
+        return _named_counts(counts, self.names)
 
 
-def _call_counts(function: np.ndarray, how: np.ndarray, names: list[str]) -> dict[str, int]:
-    """CallHistory.call_counts, from its segments' function and how columns."""
+def _calls_per_function(function: np.ndarray, how: np.ndarray, names: list[str]) -> np.ndarray:
+    """How many of the segments (function and how columns) are calls, per function id
+    (len(names)); PLT stubs are no functions of their own: none counted."""
     fids = function[(how == HOW_CALL) | (how == HOW_TAIL)]
     fids = fids[fids >= 0]
     if fids.size:
         stub = np.array([n.endswith("@plt") or n.startswith(".plt") for n in names])
         fids = fids[~stub[fids]]
-    counts = np.bincount(fids, minlength=len(names)) if fids.size else np.zeros(0)
+    return np.bincount(fids, minlength=len(names))
+
+
+def _named_counts(counts: np.ndarray, names: list[str]) -> dict[str, int]:
+    """Calls per function name (aliases' counts merged), most called first."""
     merged: dict[str, int] = {}
     for fid in np.flatnonzero(counts).tolist():
         name = names[fid]
@@ -278,8 +287,10 @@ def _call_counts(function: np.ndarray, how: np.ndarray, names: list[str]) -> dic
 class Trace:
     """A recording directory, decoded on demand (per thread, cached)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], piece_words: int | None = None) -> None:
         self.dir = TraceDir.open(path)
+        #: words decoded at a time, at most (None: a piece of the stream file at a time)
+        self.piece_words = piece_words
         self.path = Path(path)
         self._modules: dict[int, ModuleMap] = {}
         self._blocks: dict[int, Blocks] = {}
@@ -310,11 +321,21 @@ class Trace:
         return self.dir.words(tid)[0]
 
     def blocks(self, tid: int) -> Blocks:
+        """The thread's blocks, decoded a piece of its words at a time: 4 bytes a block
+        kept (twice that while the pieces' ids are joined), where the words of a stream
+        take 8 expanded, and each piece's only while it is decoded."""
         if tid not in self._blocks:
             self._check_tid(tid)
-            words = self.words(tid)
-            self._blocks[tid] = scan(words, self.modules(tid))
-            self._faults[tid] = faults_in(words)
+            scanner = BlockScanner()
+            parts: list[np.ndarray] = []
+            faults: list[tuple[int, ThreadEnd]] = []
+            for piece in self.dir.word_pieces(tid, self.piece_words):
+                base = scanner.block_count
+                parts.append(scanner.feed(piece))
+                faults += [(base + block, fault) for block, fault in faults_in(piece)]
+            ids = parts[0] if len(parts) == 1 else np.concatenate([np.zeros(0, np.int32), *parts])
+            self._blocks[tid] = blocks_of(scanner.finish(ids), self.modules(tid))
+            self._faults[tid] = faults
         return self._blocks[tid]
 
     def end(self, tid: int) -> ThreadEnd | None:
@@ -437,18 +458,41 @@ class Trace:
         return {"functions": functions, "threads": threads}
 
     def _thread_call_counts(self, tid: int) -> dict[str, int]:
-        """call_counts of one thread, keeping nothing of it decoded: a thread's blocks and
-        segments take some 20 bytes per record (`stats` over 3 threads of 227 million
-        records each peaked at 12.7 GB with every thread's kept), and `stats` needs each
-        thread once."""
+        """call_counts of one thread, decoded a piece of its words at a time and keeping
+        nothing of it: `stats` over a thread of 3.8 billion blocks (15 GB of ids alone)
+        needs the memory of a piece."""
         if tid in self._calls:
             return self._calls[tid].call_counts()
         self._check_tid(tid)
-        blocks = (
-            self._blocks[tid] if tid in self._blocks else scan(self.words(tid), self.modules(tid))
-        )
-        _, _, fid, how = self._segment_columns(tid, blocks)
-        return _call_counts(fid, how, self.modules(tid).function_names)
+        names = self.modules(tid).function_names
+        if tid in self._blocks:
+            _, _, fid, how = self._segment_columns(tid, self._blocks[tid])
+            return _named_counts(_calls_per_function(fid, how, names), names)
+        counts = np.zeros(len(names), np.int64)
+        for _, _, fid, how in self._segments_by_piece(tid):
+            counts += _calls_per_function(fid, how, names)
+        return _named_counts(counts, names)
+
+    def _segments_by_piece(
+        self, tid: int
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """call_segments of the thread's blocks a piece of its words at a time (first
+        block, depth, function id, how; each piece's valid until the next)."""
+        modules = self.modules(tid)
+        scanner, distinct, walker = BlockScanner(), DistinctBlocks(modules), CallWalker()
+        for piece in self.dir.word_pieces(tid, self.piece_words):
+            ids = scanner.feed(piece)
+            distinct.update(scanner.distinct)
+            yield walker.walk_piece(
+                scanner,
+                ids,
+                distinct.start,
+                distinct.last,
+                distinct.kind,
+                distinct.size,
+                distinct.func,
+                modules.function_starts,
+            )
 
 
 def open(path: str | os.PathLike[str] = "branchtrace.data") -> Trace:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StoreError
-from .format import HEADER_SIZE, MAX_RING_PAYLOAD, GapReason, Mode
+from .format import HEADER_SIZE, LEN_MASK, LEN_SHIFT, MAX_RING_PAYLOAD, GapReason, Mode
 from .packed import SUFFIX as PACKED
 from .packed import (
     append_packed,
@@ -410,20 +410,40 @@ class TraceDir:
     def _counted_parts(self, tid: int) -> Iterator[tuple[np.ndarray, bool]]:
         """`words(tid)` as stored (block slots not expanded), in pieces of whole records,
         each with whether it holds slots."""
+        for piece, ring in self._stored_pieces(tid):
+            yield piece, ring is not None and bool(ring.table_size)
+
+    def word_pieces(self, tid: int, most: int | None = None) -> Iterator[np.ndarray]:
+        """`words(tid)` a piece at a time, oldest first, each whole records with its block
+        slots expanded: the memory of a piece (a stream file's, at most `most` words),
+        not of the stream."""
+        for piece, ring in self._stored_pieces(tid):
+            words = ring.expand(piece) if ring is not None else np.asarray(piece)
+            if most is None or words.size <= most:
+                yield words
+                continue
+            at = 0
+            while at < words.size:
+                end = _record_boundary(words, at + most)
+                yield words[at:end]
+                at = end
+
+    def _stored_pieces(self, tid: int) -> Iterator[tuple[np.ndarray, Ring | None]]:
+        """`words(tid)` as stored (block slots not expanded), in pieces of whole records,
+        each with the ring that expands them (None: a snapshot, whose words are)."""
         packed = self.stream_path(tid, packed=True)
         raw = self.stream_path(tid)
         if not self.ring_path(tid).exists():  # a snapshot: the words alone
             drained = self._drained(tid)
-            yield (np.zeros(0, dtype="<u8") if drained is None else drained), False
+            yield (np.zeros(0, dtype="<u8") if drained is None else drained), None
             return
         with Ring.open(self.ring_path(tid)) as ring:
-            slots = bool(ring.table_size)
             rest, pos = RingReader(ring).read_words()
             if packed.exists():
                 total = packed_size(packed)
                 tail, _ = packed_tail(packed, max(0, total - pos // 8))
                 rest = self._after_drained(tid, tail, rest, pos, total) if total else rest
-                yield from ((piece, slots) for piece in packed_pieces(packed))
+                yield from ((piece, ring) for piece in packed_pieces(packed))
             elif raw.exists() and raw.stat().st_size >= 8:
                 drained = self._drained(tid)
                 assert drained is not None
@@ -432,8 +452,8 @@ class TraceDir:
                 # records never straddle
                 step = _COUNT_SLICE // 8
                 for at in range(0, drained.size, step):
-                    yield np.asarray(drained[at : at + step]), slots
-            yield rest, slots
+                    yield np.asarray(drained[at : at + step]), ring
+            yield rest, ring
 
     @contextlib.contextmanager
     def _stream_parts(self, tid: int) -> Iterator[tuple[Ring | None, list[np.ndarray], int]]:
@@ -454,6 +474,22 @@ class TraceDir:
             if rest.size or not parts:
                 parts.append(rest)
             yield ring, parts, pos
+
+
+def _record_boundary(words: np.ndarray, at: int) -> int:
+    """The first record boundary of `words` (whole records) at or after index `at`: past
+    the payload of any header before it that reaches it."""
+    while at < words.size:
+        near = words[max(at - MAX_RING_PAYLOAD, 0) : at]
+        headers = np.flatnonzero(near >> np.uint64(63))
+        if headers.size == 0:
+            return at
+        h = int(headers[-1])
+        end = at - near.size + h + 1 + int((near[h] >> np.uint64(LEN_SHIFT)) & np.uint64(LEN_MASK))
+        if end <= at:
+            return at
+        at = end
+    return words.size
 
 
 def _from_a_record(words: np.ndarray) -> np.ndarray:
