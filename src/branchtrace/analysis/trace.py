@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -97,6 +98,8 @@ _EXIT_CALLS = {60: "exit", 231: "exit_group", 59: "execve", 322: "execveat"}
 EXEC_CALLS = ("execve", "execveat")
 _ENDS = (RecordType.THREAD_EXIT, RecordType.FAULT)
 _END_WORDS = 128  #: the end record, and at most a LOST or GAP record after it
+#: words of a thread's end decoded by tail() at least: the whole of most traces
+_TAIL_WORDS = 1 << 22
 _SI_KERNEL = 0x80  #: si_code of a fault the CPU raised with no address (general protection)
 
 
@@ -250,6 +253,8 @@ class CallHistory:
     names: list[str]  #: function names by id
     modules: list[str]  #: module file name by function id
     mid_stack: bool  #: the trace begins inside calls whose entries it does not hold
+    #: ModuleMap.symbolize of the thread's process: names code without a symbol
+    symbolize: Callable[[np.ndarray], list[str]]
 
     def function_name(self, fid: int) -> str:
         return self.names[fid] if fid >= 0 else "??"
@@ -259,9 +264,12 @@ class CallHistory:
 
     def call_counts(self) -> dict[str, int]:
         """Calls per function name (tail calls included; PLT stubs are not functions of
-        their own: the function behind one counts), most called first."""
-        counts = _calls_per_function(self.segments["function"], self.segments["how"], self.names)
-        return _named_counts(counts, self.names)
+        their own: the function behind one counts), most called first.  A function with
+        no symbol (a stripped library's own) is named by its entry, `module+0xoff`."""
+        seg = self.segments
+        counts = _calls_per_function(seg["function"], seg["how"], self.names)
+        unnamed = _unnamed_calls(seg["function"], seg["how"], seg["address"])
+        return _named_counts(counts, self.names, self.symbolize, unnamed)
 
 
 def _calls_per_function(function: np.ndarray, how: np.ndarray, names: list[str]) -> np.ndarray:
@@ -275,12 +283,29 @@ def _calls_per_function(function: np.ndarray, how: np.ndarray, names: list[str])
     return np.bincount(fids, minlength=len(names))
 
 
-def _named_counts(counts: np.ndarray, names: list[str]) -> dict[str, int]:
-    """Calls per function name (aliases' counts merged), most called first."""
+def _unnamed_calls(function: np.ndarray, how: np.ndarray, entry: np.ndarray) -> Counter[int]:
+    """Calls of code no symbol covers, by the address they entered (segments' function,
+    how and address columns)."""
+    targets, counts = np.unique(entry[(how == HOW_CALL) & (function < 0)], return_counts=True)
+    return Counter(dict(zip(targets.tolist(), counts.tolist(), strict=True)))
+
+
+def _named_counts(
+    counts: np.ndarray,
+    names: list[str],
+    symbolize: Callable[[np.ndarray], list[str]],
+    unnamed: Counter[int],
+) -> dict[str, int]:
+    """Calls per function name (aliases' counts merged) from the calls per function id
+    and those of code without a symbol by entry (named `module+0xoff`), most called
+    first."""
     merged: dict[str, int] = {}
     for fid in np.flatnonzero(counts).tolist():
         name = names[fid]
         merged[name] = merged.get(name, 0) + int(counts[fid])
+    entries = np.array(sorted(unnamed), np.uint64)
+    for name, entry in zip(symbolize(entries), entries.tolist(), strict=True):
+        merged[name] = merged.get(name, 0) + unnamed[entry]
     return dict(sorted(merged.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
@@ -297,6 +322,8 @@ class Trace:
         self._ends: dict[int, ThreadEnd | None] = {}
         self._faults: dict[int, list[tuple[int, ThreadEnd]]] = {}
         self._calls: dict[int, CallHistory] = {}
+        self._tails: dict[int, int] = {}  #: threads decoded only at their end: blocks wanted
+        self._partial: set[int] = set()  #: threads whose decoded blocks are not all theirs
 
     @cached_property
     def meta(self) -> dict[str, Any]:
@@ -323,9 +350,13 @@ class Trace:
     def blocks(self, tid: int) -> Blocks:
         """The thread's blocks, decoded a piece of its words at a time: 4 bytes a block
         kept (twice that while the pieces' ids are joined), where the words of a stream
-        take 8 expanded, and each piece's only while it is decoded."""
+        take 8 expanded, and each piece's only while it is decoded.  After tail(tid, n):
+        only its newest blocks, at least n of them."""
         if tid not in self._blocks:
             self._check_tid(tid)
+            if tid in self._tails:
+                self._decode_tail(tid, self._tails[tid])
+                return self._blocks[tid]
             scanner = BlockScanner()
             parts: list[np.ndarray] = []
             faults: list[tuple[int, ThreadEnd]] = []
@@ -337,6 +368,36 @@ class Trace:
             self._blocks[tid] = blocks_of(scanner.finish(ids), self.modules(tid))
             self._faults[tid] = faults
         return self._blocks[tid]
+
+    def tail(self, tid: int, blocks: int) -> None:
+        """Decode from now on only the end of the thread's trace that holds its newest
+        `blocks` blocks (or all of it, when that is little more): what `show` and `insns`
+        print, read without the rest of a stream of billions of blocks.  Block indices
+        (`branches`' block, `marks`, `faults`) then count from the first block decoded;
+        `partial(tid)` says whether that is the thread's first."""
+        self._tails[tid] = max(blocks, 0)
+        for cache in (self._blocks, self._faults, self._calls):
+            cache.pop(tid, None)
+        self._partial.discard(tid)
+
+    def partial(self, tid: int) -> bool:
+        """Whether the decoded blocks of the thread are only the newest of its trace."""
+        self.blocks(tid)
+        return tid in self._partial
+
+    def _decode_tail(self, tid: int, wanted: int) -> None:
+        words = max(4 * wanted, _TAIL_WORDS)
+        while True:
+            tail = self.dir.tail_words(tid, words)
+            found = BlockScanner()
+            ids = found.feed(tail)
+            if ids.size >= wanted or tail.size < words:
+                break
+            words *= 4
+        self._blocks[tid] = blocks_of(found.finish(ids), self.modules(tid))
+        self._faults[tid] = faults_in(tail)
+        if tail.size >= words:  # perhaps all of it: said so only when known
+            self._partial.add(tid)
 
     def end(self, tid: int) -> ThreadEnd | None:
         """Where the thread ended itself (exit, exit_group, or an exec that replaced its
@@ -404,9 +465,15 @@ class Trace:
         window = 4 * last + 16
         while True:
             found = branches_of(blocks, max(blocks.ids.size - window, 0))
-            if found.size >= last or window >= blocks.ids.size:
-                return found[found.size - min(last, found.size) :]
-            window *= 4
+            if found.size >= last:
+                return found[found.size - last :]
+            if window < blocks.ids.size:
+                window *= 4
+            elif tid in self._partial:  # too few branches among the blocks decoded
+                self.tail(tid, 4 * blocks.ids.size)
+                blocks = self.blocks(tid)
+            else:
+                return found
 
     def calls(self, tid: int) -> CallHistory:
         """The function-call history of thread `tid`."""
@@ -442,7 +509,7 @@ class Trace:
             at = int(first[z])
             nth = z - int(np.searchsorted(first, at))
             seg["address"][z] = blocks.break_detail[np.searchsorted(blocks.break_at, at) + 1 + nth]
-        return CallHistory(tid, seg, names, modules.function_modules, mid_stack=lowest < 0)
+        return CallHistory(tid, seg, names, modules.function_modules, lowest < 0, modules.symbolize)
 
     def stats(self, tids: list[int] | None = None) -> dict[str, Any]:
         """Calls per function: overall, and per thread (of `tids`, default all; by
@@ -464,26 +531,30 @@ class Trace:
         if tid in self._calls:
             return self._calls[tid].call_counts()
         self._check_tid(tid)
-        names = self.modules(tid).function_names
         if tid in self._blocks:
-            _, _, fid, how = self._segment_columns(tid, self._blocks[tid])
-            return _named_counts(_calls_per_function(fid, how, names), names)
+            return self.calls(tid).call_counts()
+        modules = self.modules(tid)
+        names = modules.function_names
         counts = np.zeros(len(names), np.int64)
-        for _, _, fid, how in self._segments_by_piece(tid):
+        unnamed: Counter[int] = Counter()
+        for _, _, fid, how, address in self._segments_by_piece(tid):
             counts += _calls_per_function(fid, how, names)
-        return _named_counts(counts, names)
+            unnamed.update(_unnamed_calls(fid, how, address))
+        return _named_counts(counts, names, modules.symbolize, unnamed)
 
     def _segments_by_piece(
         self, tid: int
-    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
         """call_segments of the thread's blocks a piece of its words at a time (first
-        block, depth, function id, how; each piece's valid until the next)."""
+        block, depth, function id, how, and the address each segment was entered at;
+        each piece's valid until the next)."""
         modules = self.modules(tid)
         scanner, distinct, walker = BlockScanner(), DistinctBlocks(modules), CallWalker()
         for piece in self.dir.word_pieces(tid, self.piece_words):
+            base = scanner.block_count
             ids = scanner.feed(piece)
             distinct.update(scanner.distinct)
-            yield walker.walk_piece(
+            first, depth, fid, how = walker.walk_piece(
                 scanner,
                 ids,
                 distinct.start,
@@ -493,6 +564,9 @@ class Trace:
                 distinct.func,
                 modules.function_starts,
             )
+            # a segment begins at a block of this piece: the walk's first comes after
+            # the previous piece's last
+            yield first, depth, fid, how, distinct.start[ids[first - base]]
 
 
 def open(path: str | os.PathLike[str] = "branchtrace.data") -> Trace:

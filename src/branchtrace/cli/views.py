@@ -221,6 +221,7 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
     """The tail of the trace: the newest branches first (0 = newest), like the seed's GET."""
     trace = Trace(path)
     for t in _threads(trace, tid):
+        trace.tail(t, max(count, 0))  # not the rest of a stream of billions of blocks
         oldest_first = trace.branches(t, last=max(count, 0))
         # the whole trace is shown: breaks before its first branch belong too
         whole = oldest_first.size < count
@@ -468,6 +469,7 @@ def insns(path: Path, count: int, tid: int | None, as_json: bool) -> None:
     lines (GDB's `record instruction-history`)."""
     trace = Trace(path)
     for t in _threads(trace, tid):
+        trace.tail(t, max(count, 0))  # a block is one instruction at least
         end = trace.end(t)
         last_block = trace.blocks(t).ids.size - 1
         handled, cuts = _handled_faults(trace, t, end)

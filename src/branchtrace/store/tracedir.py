@@ -170,7 +170,9 @@ class TraceDir:
         else:
             whole = self._drained(tid)
             if whole is not None:
-                drained, total = _from_a_record(whole[-count - MAX_RING_PAYLOAD :]), whole.size
+                # the file starts at a record (stream position 0)
+                start = _record_boundary(whole, max(whole.size - count - MAX_RING_PAYLOAD, 0))
+                drained, total = np.asarray(whole[start:]), whole.size
         if not self.ring_path(tid).exists():
             return np.zeros(0, dtype="<u8") if drained is None else drained
         with Ring.open(self.ring_path(tid)) as ring:
@@ -182,7 +184,11 @@ class TraceDir:
                     parts.append(drained)
             if rest.size or not parts:
                 parts.append(rest)
-            return ring.expand(parts)
+            words = ring.expand(parts)
+        if words.size <= count + MAX_RING_PAYLOAD:
+            return words
+        # a ring or a piece of a stream file holds millions of words: not all wanted
+        return words[_record_boundary(words, words.size - count - MAX_RING_PAYLOAD - 1) :]
 
     def _after_drained(
         self, tid: int, drained: np.ndarray, rest: np.ndarray, pos: int, total: int = -1
@@ -490,15 +496,6 @@ def _record_boundary(words: np.ndarray, at: int) -> int:
             return at
         at = end
     return words.size
-
-
-def _from_a_record(words: np.ndarray) -> np.ndarray:
-    """`words`, the end of a stream, from the first word known to start a record: its
-    first escape header, or else the first word no payload can reach."""
-    headers = np.flatnonzero(words >> np.uint64(63))
-    if headers.size:
-        return np.asarray(words[int(headers[0]) :])
-    return np.asarray(words[MAX_RING_PAYLOAD:])
 
 
 def _is_ours(name: str) -> bool:
