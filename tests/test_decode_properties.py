@@ -29,6 +29,8 @@ from branchtrace.analysis.kernels import (
     block_bounds,
     call_segments,
     scan_blocks,
+    within_calls,
+    within_calls_part,
 )
 from branchtrace.analysis.trace import faults_in, thread_end
 from branchtrace.store import BranchKind, RecordType, parse_words
@@ -405,3 +407,39 @@ def test_faults_are_placed_in_the_block_recorded_before_them(recs):
     end = thread_end(words)
     if recs and recs[-1][0] == RecordType.FAULT:
         assert end is not None and (end.call, end.address) == ("fault", want[-1][1])
+
+
+def reference_within_calls(depth: list[int], entered: list[bool]) -> list[bool]:
+    """Each segment inside a call entered at an `entered` one: until one shallower."""
+    inside = [False] * len(depth)
+    i = 0
+    while i < len(depth):
+        if not entered[i]:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(depth) and depth[j] >= depth[i]:
+            j += 1
+        inside[i:j] = [True] * (j - i)
+        i = j
+    return inside
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-1, 1), st.booleans()), max_size=60),
+    st.lists(st.integers(0, 60), max_size=4),
+)
+def test_within_calls_piece_by_piece_agrees_with_the_reference(steps, cuts):
+    """`calls -F` selects a history read a piece at a time: the call it is inside of
+    carries over from piece to piece."""
+    depth = np.cumsum([d for d, _ in steps], dtype=np.int64)
+    entered = np.array([e for _, e in steps], bool)
+    bounds = [0, *sorted(min(c, depth.size) for c in cuts), depth.size]
+    state = np.zeros(2, np.int64)
+    got = [
+        within_calls_part(depth[a:b], entered[a:b], state) for a, b in itertools.pairwise(bounds)
+    ]
+    want = reference_within_calls(depth.tolist(), entered.tolist())
+    assert np.concatenate(got).tolist() == want
+    assert within_calls(depth, entered).tolist() == want

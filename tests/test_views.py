@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import branchtrace
 from branchtrace.analysis.decode import scan
-from branchtrace.analysis.kernels import HOW_CALL, SIGNAL_DELIVERIES
+from branchtrace.analysis.kernels import HOW_CALL, SIGNAL_DELIVERIES, call_segments
 from branchtrace.analysis.trace import Trace, faults_in
 from branchtrace.cli.views import _json_strings
 from branchtrace.store.tracedir import thread_label
@@ -368,12 +368,14 @@ def test_json_strings_encode_each_text_as_json_dumps_would(texts):
 
 
 @pytest.mark.parametrize(
-    ("name", "args"), [("sighandlers", ()), ("faults", ("recover",)), ("threads", ())]
+    ("name", "args"),
+    [("sighandlers", ()), ("faults", ("recover",)), ("threads", ()), ("atonce", ("100",))],
 )
 def test_a_trace_decoded_a_piece_at_a_time_reads_as_decoded_whole(tmp_path, programs, name, args):
     """Views read a thread's words a piece at a time (a trace of billions of blocks does
     not fit in memory): cut into pieces of 5 words, between records, its blocks, breaks,
-    handler runs, faults and call counts are those of its words decoded in one go."""
+    handler runs, faults, call history and call counts are those of its words decoded in
+    one go."""
     path = recorded(tmp_path, programs[name], *args)
     whole = branchtrace.open(path)
     pieces = whole.dir.word_pieces(whole.threads[0], 5)
@@ -389,6 +391,22 @@ def test_a_trace_decoded_a_piece_at_a_time_reads_as_decoded_whole(tmp_path, prog
             for column in ("kind", "size", "handler_at", "handler_times", "head_kind"):
                 assert np.array_equal(getattr(got, column), getattr(want, column)), column
             assert trace.faults(tid) == faults_in(words)
+            modules = whole.modules(tid)
+            func = modules.function_ids(want.start)[0].astype(np.int64)
+            first, depth, fid, how = call_segments(
+                *want.kernel_args(), func, modules.function_starts
+            )
+            history = Trace(path, piece_words=piece_words).calls(tid)
+            seg = history.segments
+            assert np.array_equal(seg["first_block"], first) and np.array_equal(seg["how"], how)
+            assert np.array_equal(seg["depth"], depth - depth.min())
+            assert np.array_equal(seg["function"], fid)
+            assert np.array_equal(
+                seg["address"][seg["blocks"] > 0], want.start[want.ids[first]][seg["blocks"] > 0]
+            )
+            assert np.array_equal(seg["blocks"], np.diff(first, append=want.ids.size))
+            assert np.array_equal(history.segments, whole.calls(tid).segments)
+            assert np.array_equal(Trace(path, piece_words=piece_words).marks(tid), whole.marks(tid))
         # stats never keeps a thread's blocks: a walk of its own, piece by piece
         per_thread = Trace(path, piece_words=piece_words).stats()["threads"]
         assert per_thread == {
@@ -401,6 +419,9 @@ def test_a_trace_decoded_a_piece_at_a_time_reads_as_decoded_whole(tmp_path, prog
         assert len(whole.faults(whole.threads[0])) == 3
     if name == "threads":
         assert len(whole.threads) == 5
+    if name == "atonce":  # a handler entered at the first instruction of another
+        seg = whole.calls(whole.threads[0]).segments
+        assert int((seg["blocks"] == 0).sum()) == 100
 
 
 def test_show_and_insns_decode_only_the_end_of_a_long_trace(tmp_path, programs, monkeypatch):
@@ -458,3 +479,23 @@ def test_stats_counts_the_calls_of_functions_without_a_symbol_by_their_entry(tmp
     (tid,) = api.threads
     assert api.calls(tid).call_counts()[name] == 23  # the history's counts: the same
     assert api.calls(tid).call_counts() == stats["threads"][str(tid)]
+
+
+def test_calls_prints_a_history_read_a_piece_at_a_time_as_one_read_whole(
+    tmp_path, programs, monkeypatch
+):
+    """`calls` reads a thread's history twice, a piece at a time, keeping the first
+    pass's segments only when they are few: decoded 5 words at a time and read twice, it
+    prints what it does from one piece kept (signal handlers nested, a handler left by
+    siglongjmp, calls of one function, depths rebased)."""
+    from branchtrace.cli import views
+
+    path = recorded(tmp_path, programs["sighandlers"])
+    variants = [(), ("--json",), ("-D", "1"), ("-F", "outer"), ("-F", "f", "--json", "-D", "3")]
+    want = {v: bt("calls", path, *v).stdout for v in variants}
+    assert "[signal handler]" in want[()] and "inner" in want[("-F", "outer")]
+    assert want[("-F", "outer")].count("\n") < want[()].count("\n")
+    monkeypatch.setattr(views, "_KEPT_SEGMENTS", 0)
+    monkeypatch.setattr(views, "Trace", lambda p: Trace(p, piece_words=5))
+    for v in variants:
+        assert bt("calls", path, *v).stdout == want[v], v

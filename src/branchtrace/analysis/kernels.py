@@ -754,20 +754,24 @@ class CallWalker:
         return seg[0][:s], seg[1][:s], seg[2][:s], seg[3][:s]
 
 
-@nb.njit(cache=True, nogil=True)
-def within_calls(depth, entered):  # type: ignore[no-untyped-def]
+def within_calls(depth: np.ndarray, entered: np.ndarray) -> np.ndarray:
     """Which segments lie inside a call that starts at an `entered` segment: from it up to
     the first later segment shallower than it.  One pass, however many calls."""
+    return within_calls_part(depth, entered, np.zeros(2, np.int64))
+
+
+@nb.njit(cache=True, nogil=True)
+def within_calls_part(depth, entered, state):  # type: ignore[no-untyped-def]
+    """within_calls of the next segments of a history read a piece at a time; state =
+    [inside a call, its depth], carried from piece to piece (zeros at the start)."""
     n = depth.size
     inside = np.zeros(n, np.bool_)
-    i = 0
-    while i < n:
-        if entered[i]:
-            j = i + 1
-            while j < n and depth[j] >= depth[i]:
-                j += 1
-            inside[i:j] = True
-            i = j
-        else:
-            i += 1
+    open_, at = state[0], state[1]
+    for i in range(n):
+        if open_ and depth[i] < at:
+            open_ = 0
+        if not open_ and entered[i]:
+            open_, at = 1, depth[i]
+        inside[i] = open_ == 1
+    state[0], state[1] = open_, at
     return inside

@@ -44,7 +44,7 @@ from .kernels import (
     SIGNAL_DELIVERIES,
     BlockScanner,
     CallWalker,
-    call_segments,
+    Scan,
 )
 
 CALL_DTYPE = np.dtype(
@@ -309,6 +309,18 @@ def _named_counts(
     return dict(sorted(merged.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def _enter_blockless(seg: np.ndarray, break_at: np.ndarray, break_detail: np.ndarray) -> None:
+    """Where the segments of no block of their own were entered: a handler another
+    signal interrupted at its first instruction, entered where that signal came, the
+    detail of the next of the deliveries chained before the block (kernels.Scan).  `seg`
+    must hold every segment that begins at such a block."""
+    first = seg["first_block"]
+    for z in np.flatnonzero(seg["blocks"] == 0).tolist():
+        at = int(first[z])
+        nth = z - int(np.searchsorted(first, at))
+        seg["address"][z] = break_detail[np.searchsorted(break_at, at) + 1 + nth]
+
+
 class Trace:
     """A recording directory, decoded on demand (per thread, cached)."""
 
@@ -322,6 +334,8 @@ class Trace:
         self._ends: dict[int, ThreadEnd | None] = {}
         self._faults: dict[int, list[tuple[int, ThreadEnd]]] = {}
         self._calls: dict[int, CallHistory] = {}
+        #: breaks and handler runs of threads call_pieces() read, whose blocks are not kept
+        self._scanned: dict[int, Scan] = {}
         self._tails: dict[int, int] = {}  #: threads decoded only at their end: blocks wanted
         self._partial: set[int] = set()  #: threads whose decoded blocks are not all theirs
 
@@ -376,7 +390,7 @@ class Trace:
         (`branches`' block, `marks`, `faults`) then count from the first block decoded;
         `partial(tid)` says whether that is the thread's first."""
         self._tails[tid] = max(blocks, 0)
-        for cache in (self._blocks, self._faults, self._calls):
+        for cache in (self._blocks, self._faults, self._calls, self._scanned):
             cache.pop(tid, None)
         self._partial.discard(tid)
 
@@ -415,12 +429,19 @@ class Trace:
         self.blocks(tid)
         return self._faults[tid]
 
+    def _chain(self, tid: int) -> Blocks | Scan:
+        """The thread's breaks and handler runs: of its blocks, or of the pass of
+        call_pieces() that read them all when its blocks were not kept."""
+        if tid in self._scanned and tid not in self._blocks and tid not in self._tails:
+            return self._scanned[tid]
+        return self.blocks(tid)
+
     def breaks(self, tid: int) -> np.ndarray:
         """Where the thread's chain of blocks breaks, oldest first (BREAK_DTYPE): records
         were lost there, or code ran untraced (fork()).  No branch is inferred across a
         break.  A signal delivered to a traced handler is a branch (INTERRUPT), and so is
         the handler's way back (rt_sigreturn, SYSCALL): not breaks."""
-        blocks = self.blocks(tid)
+        blocks = self._chain(tid)
         keep = ~np.isin(blocks.break_kind, (*SIGNAL_DELIVERIES, BREAK_SIGRETURN))
         out = np.zeros(int(keep.sum()), BREAK_DTYPE)
         out["block"] = blocks.break_at[keep]
@@ -435,7 +456,7 @@ class Trace:
         and the signal handlers that ran untraced (GAP records of reason signal; untraced
         GapReason.SIGNAL, `block` the block after the one they ran in), which break
         nothing.  A handler that left elsewhere is said by its break (LEFT_HANDLER) only."""
-        blocks = self.blocks(tid)
+        blocks = self._chain(tid)
         breaks = self.breaks(tid)
         handlers = np.zeros(blocks.handler_at.size, BREAK_DTYPE)
         handlers["block"] = blocks.handler_at
@@ -481,35 +502,62 @@ class Trace:
             self._calls[tid] = self._call_history(tid)
         return self._calls[tid]
 
-    def _segment_columns(
-        self, tid: int, blocks: Blocks
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """call_segments of thread tid's blocks: (first block, depth, function id, how)."""
+    def call_pieces(self, tid: int) -> Iterator[np.ndarray]:
+        """Thread `tid`'s function-call history (CALL_DTYPE rows) a piece of its words at
+        a time, oldest first, with depths counted from the first block's (not rebased to
+        the shallowest: that is known at the end; `calls` rebases them): the memory of a
+        piece, however long the trace.  Once all are read, marks() and breaks() need no
+        other pass."""
+        self._check_tid(tid)
         modules = self.modules(tid)
-        func, _ = modules.function_ids(blocks.start)
-        return call_segments(*blocks.kernel_args(), func.astype(np.int64), modules.function_starts)
+        scanner, distinct, walker = BlockScanner(), DistinctBlocks(modules), CallWalker()
+        held = np.zeros(0, CALL_DTYPE)  # the last segment: its length is not known yet
+        for piece in self.dir.word_pieces(tid, self.piece_words):
+            base = scanner.block_count
+            ids = scanner.feed(piece)
+            distinct.update(scanner.distinct)
+            first, depth, fid, how = walker.walk_piece(
+                scanner,
+                ids,
+                distinct.start,
+                distinct.last,
+                distinct.kind,
+                distinct.size,
+                distinct.func,
+                modules.function_starts,
+            )
+            if first.size == 0:
+                continue
+            seg = np.zeros(held.size + first.size, CALL_DTYPE)
+            seg[: held.size] = held
+            new = seg[held.size :]
+            new["depth"], new["function"], new["how"] = depth, fid, how
+            # a segment begins at a block of this piece: the walk's first comes after the
+            # previous piece's last
+            new["first_block"], new["address"] = first, distinct.start[ids[first - base]]
+            seg["blocks"][:-1] = np.diff(seg["first_block"])
+            _enter_blockless(seg[:-1], *scanner.breaks_before(scanner.block_count)[::2])
+            held = seg[-1:].copy()
+            if seg.size > 1:
+                yield seg[:-1]
+        self._scanned[tid] = scanner.finish(np.zeros(0, np.int32))
+        if held.size:
+            held["blocks"] = scanner.block_count - held["first_block"]
+            yield held
 
     def _call_history(self, tid: int) -> CallHistory:
-        blocks = self.blocks(tid)
         modules = self.modules(tid)
-        names = modules.function_names
-        first, depth, fid, how = self._segment_columns(tid, blocks)
-        seg = np.zeros(first.size, CALL_DTYPE)
-        lowest = int(depth.min()) if depth.size else 0
-        seg["depth"] = depth - lowest
-        seg["function"] = fid
-        seg["how"] = how
-        seg["first_block"] = first
-        seg["address"] = blocks.start[blocks.ids[first]]
-        seg["blocks"] = np.diff(first, append=blocks.ids.size)
-        # a handler another signal interrupted at its first instruction has a segment of no
-        # block of its own: entered where that signal came, the detail of the next of the
-        # deliveries chained before the block (kernels.Scan)
-        for z in np.flatnonzero(seg["blocks"] == 0).tolist():
-            at = int(first[z])
-            nth = z - int(np.searchsorted(first, at))
-            seg["address"][z] = blocks.break_detail[np.searchsorted(blocks.break_at, at) + 1 + nth]
-        return CallHistory(tid, seg, names, modules.function_modules, lowest < 0, modules.symbolize)
+        seg = np.concatenate([np.zeros(0, CALL_DTYPE), *self.call_pieces(tid)])
+        lowest = int(seg["depth"].min()) if seg.size else 0
+        seg["depth"] -= lowest
+        return CallHistory(
+            tid,
+            seg,
+            modules.function_names,
+            modules.function_modules,
+            lowest < 0,
+            modules.symbolize,
+        )
 
     def stats(self, tids: list[int] | None = None) -> dict[str, Any]:
         """Calls per function: overall, and per thread (of `tids`, default all; by
@@ -530,43 +578,14 @@ class Trace:
         needs the memory of a piece."""
         if tid in self._calls:
             return self._calls[tid].call_counts()
-        self._check_tid(tid)
-        if tid in self._blocks:
-            return self.calls(tid).call_counts()
         modules = self.modules(tid)
         names = modules.function_names
         counts = np.zeros(len(names), np.int64)
         unnamed: Counter[int] = Counter()
-        for _, _, fid, how, address in self._segments_by_piece(tid):
-            counts += _calls_per_function(fid, how, names)
-            unnamed.update(_unnamed_calls(fid, how, address))
+        for seg in self.call_pieces(tid):
+            counts += _calls_per_function(seg["function"], seg["how"], names)
+            unnamed.update(_unnamed_calls(seg["function"], seg["how"], seg["address"]))
         return _named_counts(counts, names, modules.symbolize, unnamed)
-
-    def _segments_by_piece(
-        self, tid: int
-    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """call_segments of the thread's blocks a piece of its words at a time (first
-        block, depth, function id, how, and the address each segment was entered at;
-        each piece's valid until the next)."""
-        modules = self.modules(tid)
-        scanner, distinct, walker = BlockScanner(), DistinctBlocks(modules), CallWalker()
-        for piece in self.dir.word_pieces(tid, self.piece_words):
-            base = scanner.block_count
-            ids = scanner.feed(piece)
-            distinct.update(scanner.distinct)
-            first, depth, fid, how = walker.walk_piece(
-                scanner,
-                ids,
-                distinct.start,
-                distinct.last,
-                distinct.kind,
-                distinct.size,
-                distinct.func,
-                modules.function_starts,
-            )
-            # a segment begins at a block of this piece: the walk's first comes after
-            # the previous piece's last
-            yield first, depth, fid, how, distinct.start[ids[first - base]]
 
 
 def open(path: str | os.PathLike[str] = "branchtrace.data") -> Trace:

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from ..analysis import CallHistory, ThreadEnd, Trace, describe_break, signal_name
-from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL, within_calls
+from ..analysis import ThreadEnd, Trace, describe_break, signal_name
+from ..analysis.kernels import HOW_CALL, HOW_SIGNAL, HOW_START, HOW_TAIL, within_calls_part
 from ..analysis.trace import HOW_NAMES
 from ..errors import UsageError
 from ..store import BranchKind
@@ -280,19 +280,37 @@ def show(path: Path, count: int, tid: int | None, as_json: bool) -> None:
 # -- calls -----------------------------------------------------------------------------------
 
 
-def _selected(history: CallHistory, function: str | None, max_depth: int | None) -> np.ndarray:
-    """Indices of the segments to print: inside calls of `function`, above `max_depth`."""
-    seg = history.segments
-    keep = np.ones(seg.size, dtype=bool)
-    if max_depth is not None:
-        keep &= seg["depth"] <= max_depth
-    if function is not None:
-        # `thrower` finds the C++ `thrower(int)` too
-        named = [function in (n, n.split("(")[0]) for n in history.names]
-        matches = np.array([*named, False])[seg["function"]]
+#: call-history segments `calls` keeps from its first pass over a thread for its second;
+#: a longer history is decoded again (40 bytes a segment: 345 million in a 25 s xz run)
+_KEPT_SEGMENTS = 4_000_000
+
+
+class _CallsFilter:
+    """Which segments `calls` prints of a history read a piece at a time: those inside
+    calls of `function` (a call it is inside of carries over from piece to piece), down
+    to `max_depth` below the shallowest level (known after a first pass)."""
+
+    def __init__(self, names: list[str], function: str | None, max_depth: int | None) -> None:
+        self.matches = None
+        if function is not None:
+            # `thrower` finds the C++ `thrower(int)` too
+            self.matches = np.array([*(function in (n, n.split("(")[0]) for n in names), False])
+        self.max_depth = max_depth
+        self.state = np.zeros(2, np.int64)
+
+    def inside(self, seg: np.ndarray) -> np.ndarray:
+        """Which of the next segments lie inside calls of the function (all without one)."""
+        if self.matches is None:
+            return np.ones(seg.size, bool)
         entering = np.isin(seg["how"], (HOW_CALL, HOW_TAIL, HOW_START, HOW_SIGNAL))
-        keep &= within_calls(seg["depth"], matches & entering)
-    return np.flatnonzero(keep)
+        entered = self.matches[seg["function"]] & entering
+        return within_calls_part(seg["depth"], entered, self.state)
+
+    def shown(self, seg: np.ndarray, lowest: int) -> np.ndarray:
+        keep = self.inside(seg)
+        if self.max_depth is not None:
+            keep &= seg["depth"] - lowest <= self.max_depth
+        return keep
 
 
 @click.command()
@@ -307,77 +325,125 @@ def calls(
     """The function-call history, oldest first, indented by nesting (GDB's /ilc)."""
     trace = Trace(path)
     for t in _threads(trace, tid):
-        history = trace.calls(t)
-        rows = _selected(history, function, max_depth)
-        seg = history.segments
-        labels = _labels(history, trace.modules(t), seg[rows])
-        # a break shows before the first segment that begins at or after it, when that
-        # segment is printed (or at the end, after the last segment)
-        breaks_before = _breaks_among(trace.marks(t), seg["first_block"], 0)
-        shown = set(rows.tolist())
-        if seg.size - 1 in shown:
-            shown.add(seg.size)
-        breaks_before = {k: v for k, v in breaks_before.items() if k in shown}
-        # the end goes after the last segment, when that is printed
-        end = trace.end(t) if seg.size and seg.size - 1 in shown else None
-        if as_json:
-            json_lines = _Lines()
-            for i, label in zip([*rows.tolist(), seg.size], [*labels, ""], strict=True):
-                for brk in breaks_before.get(i, ()):
-                    json_lines.add(_break_json(t, brk))
-                if i == seg.size:
-                    break
-                s = seg[i]
-                fid = int(s["function"])
-                json_lines.add(
-                    json.dumps(
-                        {
-                            "tid": thread_id(t),
-                            "thread": thread_label(t),
-                            "index": i,
-                            "depth": int(s["depth"]),
-                            "function": label,
-                            "module": history.module_name(fid),
-                            "how": HOW_NAMES[int(s["how"])],
-                            "address": int(s["address"]),
-                            "blocks": int(s["blocks"]),
-                        }
-                    )
-                )
-            if end is not None:
-                json_lines.add(_end_json(t, end))
-            json_lines.flush()
-            continue
+        _thread_calls(trace, t, function, max_depth, as_json)
+
+
+def _thread_calls(
+    trace: Trace, t: int, function: str | None, max_depth: int | None, as_json: bool
+) -> None:
+    """`calls` of one thread, in two passes over its history a piece at a time: the first
+    finds the shallowest level and how many segments are shown, the second prints them
+    (from the first's segments when they were few enough to keep): a history of hundreds
+    of millions of segments is printed in the memory of a piece."""
+    modules = trace.modules(t)
+    names = modules.function_names
+    selection = _CallsFilter(names, function, max_depth)
+    total, lowest = 0, 0
+    depths: dict[int, int] = {}  # segments inside calls of the function, by depth
+    kept: list[np.ndarray] | None = []
+    for seg in trace.call_pieces(t):
+        inside = seg["depth"][selection.inside(seg)]
+        for depth, n in zip(*np.unique(inside, return_counts=True), strict=True):
+            depths[int(depth)] = depths.get(int(depth), 0) + int(n)
+        lowest = min(lowest, int(seg["depth"].min()))
+        total += seg.size
+        if kept is not None:
+            kept = [*kept, seg] if total <= _KEPT_SEGMENTS else None
+    shown = sum(n for d, n in depths.items() if max_depth is None or d - lowest <= max_depth)
+    marks = trace.marks(t)
+    end = trace.end(t)
+    if not as_json:
         note = (
             "; the trace begins inside calls it did not record: depth 0 is the shallowest "
             "level seen, not the thread's outermost"
-            if history.mid_stack
+            if lowest < 0
             else ""
         )
-        _heading(trace, t, f"{len(rows):,} of {seg.size:,} call-history segments{note}")
-        modules = trace.modules(t)
-        lines = modules.source_lines(seg["address"][rows]) if rows.size <= 100_000 else None
-        text = _Lines()
+        _heading(trace, t, f"{shown:,} of {total:,} call-history segments{note}")
+    selection = _CallsFilter(names, function, max_depth)
+    text = _Lines()
+    done, last_shown, after = 0, False, -1  # segments so far; the last one shown; its block
+    for seg in kept if kept is not None else trace.call_pieces(t):
+        rows = np.flatnonzero(selection.shown(seg, lowest))
+        # a break shows before the first segment that begins at or after it, when that
+        # segment is printed (or at the end, after the last segment)
+        first = seg["first_block"]
+        breaks = _breaks_among(
+            marks[(marks["block"] > after) & (marks["block"] <= first[-1])], first, 0
+        )
+        breaks = {k: v for k, v in breaks.items() if k < seg.size}
         chosen = seg[rows]
-        sources = [f"  {line}" if line else "" for line in lines] if lines else None
-        write = functools.partial(_write_call_rows, text, rows, chosen, labels, sources)
-
-        # the breaks go in before the rows they come before, and the runs of rows between
-        # them are written whole (a call per line: `calls` of 5.2M segments took 8.0-8.8 s,
-        # 6.0-6.6 s so)
-        done = 0
-        for k in (
-            sorted(np.searchsorted(rows, list(breaks_before)).tolist()) if breaks_before else ()
+        chosen["depth"] -= lowest
+        labels = _labels(names, modules, chosen)
+        if as_json:
+            _write_call_json(text, t, rows, chosen, labels, breaks, done, modules)
+        else:
+            lines = modules.source_lines(chosen["address"]) if shown <= 100_000 else None
+            sources = [f"  {line}" if line else "" for line in lines] if lines else None
+            write = functools.partial(_write_call_rows, text, rows + done, chosen, labels, sources)
+            # the breaks go in before the rows they come before, and the runs of rows
+            # between them are written whole (a call per line: `calls` of 5.2M segments
+            # took 8.0-8.8 s, 6.0-6.6 s so)
+            at = 0
+            slots = np.array(sorted(breaks), np.int64)
+            for k in np.searchsorted(rows, slots[np.isin(slots, rows)]).tolist():
+                write(at, k)
+                at = k
+                for brk in breaks[int(rows[k])]:
+                    text.styled(f"{'':>6}  -- {describe_break(brk)}", _BREAK_STYLE)
+            write(at, rows.size)
+        last_shown = bool(rows.size) and int(rows[-1]) == seg.size - 1
+        after = int(first[-1])
+        done += seg.size
+    # what came after the last segment's first block, and the end: when that is printed
+    if last_shown:
+        for brk in _breaks_among(marks[marks["block"] > after], np.zeros(0, np.int64), 0).get(
+            0, ()
         ):
-            write(done, k)
-            done = k
-            i = int(rows[k]) if k < rows.size else seg.size
-            for brk in breaks_before[i]:
+            if as_json:
+                text.add(_break_json(t, brk))
+            else:
                 text.styled(f"{'':>6}  -- {describe_break(brk)}", _BREAK_STYLE)
-        write(done, rows.size)
         if end is not None:
-            text.styled(f"{'':>6}  -- {end.describe()}", "bold")
-        text.flush()
+            if as_json:
+                text.add(_end_json(t, end))
+            else:
+                text.styled(f"{'':>6}  -- {end.describe()}", "bold")
+    text.flush()
+
+
+def _write_call_json(
+    text: _Lines,
+    t: int,
+    rows: np.ndarray,
+    chosen: np.ndarray,
+    labels: list[str],
+    breaks: dict[int, list],
+    done: int,
+    modules: Any,
+) -> None:
+    """`calls --json` lines for segments `rows` of a piece (`chosen`, depths rebased),
+    the piece's first being segment `done` of the history, with the breaks before them."""
+    thread = {"tid": thread_id(t), "thread": thread_label(t)}
+    module_names = modules.function_modules
+    for i, s, label in zip(rows.tolist(), chosen, labels, strict=True):
+        for brk in breaks.get(i, ()):
+            text.add(_break_json(t, brk))
+        fid = int(s["function"])
+        text.add(
+            json.dumps(
+                {
+                    **thread,
+                    "index": done + i,
+                    "depth": int(s["depth"]),
+                    "function": label,
+                    "module": module_names[fid] if fid >= 0 else "??",
+                    "how": HOW_NAMES[int(s["how"])],
+                    "address": int(s["address"]),
+                    "blocks": int(s["blocks"]),
+                }
+            )
+        )
 
 
 def _write_call_rows(
@@ -409,10 +475,10 @@ def _write_call_rows(
         )
 
 
-def _labels(history: CallHistory, modules: Any, rows: np.ndarray) -> list[str]:
+def _labels(names: list[str], modules: Any, rows: np.ndarray) -> list[str]:
     """Each segment's function name; `module+0xoff` of its entry where it has none (one
     vectorised lookup for all of those)."""
-    labels = [history.names[f] if f >= 0 else "" for f in rows["function"].tolist()]
+    labels = [names[f] if f >= 0 else "" for f in rows["function"].tolist()]
     unnamed = np.flatnonzero(rows["function"] < 0)
     for k, label in zip(unnamed.tolist(), modules.symbolize(rows["address"][unnamed]), strict=True):
         labels[k] = label
