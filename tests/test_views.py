@@ -499,3 +499,15 @@ def test_calls_prints_a_history_read_a_piece_at_a_time_as_one_read_whole(
     monkeypatch.setattr(views, "Trace", lambda p: Trace(p, piece_words=5))
     for v in variants:
         assert bt("calls", path, *v).stdout == want[v], v
+
+
+def test_a_view_short_of_memory_says_so_in_one_line(crash_trace, monkeypatch):
+    def too_much(self, tid):
+        raise MemoryError
+
+    monkeypatch.setattr(Trace, "call_pieces", too_much)
+    res = bt("stats", crash_trace)
+    assert res.returncode == 1 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "branchtrace: error: not enough memory for this (hint: --tid T reads one thread at a time)"
+    ]

@@ -68,6 +68,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except BrokenPipeError:
         sys.exit(0)
+    except MemoryError:
+        # the views read a trace a piece at a time; what is left needing more memory than
+        # the machine has is said in a line, not a traceback
+        err.print(
+            "branchtrace: error: not enough memory for this (hint: --tid T reads one thread "
+            "at a time)",
+            soft_wrap=True,
+            markup=False,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":
