@@ -156,29 +156,57 @@ class Blocks:
 class DistinctBlocks:
     """Per distinct block a BlockScanner found: start, last instruction's address, kind
     and length, and the id of the function it starts in; grown as the scanner finds more,
-    each block decoded once."""
+    each block decoded once (in arrays of doubling capacity: a JIT's code adds blocks
+    piece after piece)."""
 
     def __init__(self, modules: ModuleMap) -> None:
         self.modules = modules
-        self.start = np.zeros(0, np.uint64)
-        self.last = np.zeros(0, np.uint64)
-        self.kind = np.zeros(0, np.uint8)
-        self.size = np.zeros(0, np.uint64)
-        self.func = np.zeros(0, np.int64)
+        self.count = 0
+        self._columns = {
+            "start": np.zeros(16, np.uint64),
+            "last": np.zeros(16, np.uint64),
+            "kind": np.zeros(16, np.uint8),
+            "size": np.zeros(16, np.uint64),
+            "func": np.zeros(16, np.int64),
+        }
+
+    @property
+    def start(self) -> np.ndarray:
+        return self._columns["start"][: self.count]
+
+    @property
+    def last(self) -> np.ndarray:
+        return self._columns["last"][: self.count]
+
+    @property
+    def kind(self) -> np.ndarray:
+        return self._columns["kind"][: self.count]
+
+    @property
+    def size(self) -> np.ndarray:
+        return self._columns["size"][: self.count]
+
+    @property
+    def func(self) -> np.ndarray:
+        return self._columns["func"][: self.count]
 
     def update(self, unique: np.ndarray) -> None:
         """Take in the blocks of `unique` (the scanner's, by id) not yet known."""
-        new = unique[self.start.size :]
+        new = unique[self.count :]
         if new.size == 0:
             return
         start, last = block_bounds(new)
         kind, size = classify_addresses(last, self.modules)
         func, _ = self.modules.function_ids(start)
-        self.start = np.concatenate([self.start, start])
-        self.last = np.concatenate([self.last, last])
-        self.kind = np.concatenate([self.kind, kind])
-        self.size = np.concatenate([self.size, size])
-        self.func = np.concatenate([self.func, func.astype(np.int64)])
+        found = {"start": start, "last": last, "kind": kind, "size": size, "func": func}
+        end = self.count + new.size
+        for name, column in list(self._columns.items()):
+            if end > column.size:
+                grown = np.zeros(max(2 * column.size, end), column.dtype)
+                grown[: self.count] = column[: self.count]
+                self._columns[name] = column = grown
+            column[self.count : end] = found[name]
+        self.count = end
 
 
 def blocks_of(found: Scan, modules: ModuleMap) -> Blocks:

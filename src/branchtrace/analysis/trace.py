@@ -578,6 +578,7 @@ class Trace:
         needs the memory of a piece."""
         if tid in self._calls:
             return self._calls[tid].call_counts()
+        self._check_tid(tid)
         modules = self.modules(tid)
         names = modules.function_names
         counts = np.zeros(len(names), np.int64)
