@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -267,26 +267,30 @@ class CallHistory:
         their own: the function behind one counts), most called first.  A function with
         no symbol (a stripped library's own) is named by its entry, `module+0xoff`."""
         seg = self.segments
-        counts = _calls_per_function(seg["function"], seg["how"], self.names)
-        unnamed = _unnamed_calls(seg["function"], seg["how"], seg["address"])
-        return _named_counts(counts, self.names, self.symbolize, unnamed)
+        counts = _calls_per_function(seg["function"], seg["how"], _stubs(self.names))
+        into_unnamed = (seg["how"] == HOW_CALL) & (seg["function"] < 0)
+        return _named_counts(
+            counts, self.names, self.symbolize, _entered(seg["address"][into_unnamed])
+        )
 
 
-def _calls_per_function(function: np.ndarray, how: np.ndarray, names: list[str]) -> np.ndarray:
+def _stubs(names: list[str]) -> np.ndarray:
+    """Which function ids are PLT stubs: no functions of their own (the function behind
+    one counts)."""
+    return np.array([n.endswith("@plt") or n.startswith(".plt") for n in names], bool)
+
+
+def _calls_per_function(function: np.ndarray, how: np.ndarray, stubs: np.ndarray) -> np.ndarray:
     """How many of the segments (function and how columns) are calls, per function id
-    (len(names)); PLT stubs are no functions of their own: none counted."""
+    (as many as `stubs`, which says the ids of PLT stubs: none counted)."""
     fids = function[(how == HOW_CALL) | (how == HOW_TAIL)]
     fids = fids[fids >= 0]
-    if fids.size:
-        stub = np.array([n.endswith("@plt") or n.startswith(".plt") for n in names])
-        fids = fids[~stub[fids]]
-    return np.bincount(fids, minlength=len(names))
+    return np.bincount(fids[~stubs[fids]], minlength=stubs.size)
 
 
-def _unnamed_calls(function: np.ndarray, how: np.ndarray, entry: np.ndarray) -> Counter[int]:
-    """Calls of code no symbol covers, by the address they entered (segments' function,
-    how and address columns)."""
-    targets, counts = np.unique(entry[(how == HOW_CALL) & (function < 0)], return_counts=True)
+def _entered(entries: np.ndarray) -> Counter[int]:
+    """How many calls entered code at each address."""
+    targets, counts = np.unique(entries, return_counts=True)
     return Counter(dict(zip(targets.tolist(), counts.tolist(), strict=True)))
 
 
@@ -508,10 +512,30 @@ class Trace:
         the shallowest: that is known at the end; `calls` rebases them): the memory of a
         piece, however long the trace.  Once all are read, marks() and breaks() need no
         other pass."""
+        held = np.zeros(0, CALL_DTYPE)  # the last segment: its length is not known yet
+        walk = None
+        for walk in self._walk(tid):
+            seg = np.zeros(held.size + walk.first.size, CALL_DTYPE)
+            seg[: held.size] = held
+            new = seg[held.size :]
+            new["depth"], new["function"], new["how"] = walk.depth, walk.fid, walk.how
+            new["first_block"], new["address"] = walk.first, walk.entries()
+            seg["blocks"][:-1] = np.diff(seg["first_block"])
+            _enter_blockless(seg[:-1], *walk.scanner.breaks_before(walk.scanner.block_count)[::2])
+            held = seg[-1:].copy()
+            if seg.size > 1:
+                yield seg[:-1]
+        if held.size and walk is not None:
+            held["blocks"] = walk.scanner.block_count - held["first_block"]
+            yield held
+
+    def _walk(self, tid: int) -> Iterator[_Walked]:
+        """The call-history kernel's walk of the thread's blocks, a piece of its words at
+        a time (the pieces that begin a segment); at the end, its breaks and handler runs
+        are kept for marks()."""
         self._check_tid(tid)
         modules = self.modules(tid)
         scanner, distinct, walker = BlockScanner(), DistinctBlocks(modules), CallWalker()
-        held = np.zeros(0, CALL_DTYPE)  # the last segment: its length is not known yet
         for piece in self.dir.word_pieces(tid, self.piece_words):
             base = scanner.block_count
             ids = scanner.feed(piece)
@@ -526,24 +550,9 @@ class Trace:
                 distinct.func,
                 modules.function_starts,
             )
-            if first.size == 0:
-                continue
-            seg = np.zeros(held.size + first.size, CALL_DTYPE)
-            seg[: held.size] = held
-            new = seg[held.size :]
-            new["depth"], new["function"], new["how"] = depth, fid, how
-            # a segment begins at a block of this piece: the walk's first comes after the
-            # previous piece's last
-            new["first_block"], new["address"] = first, distinct.start[ids[first - base]]
-            seg["blocks"][:-1] = np.diff(seg["first_block"])
-            _enter_blockless(seg[:-1], *scanner.breaks_before(scanner.block_count)[::2])
-            held = seg[-1:].copy()
-            if seg.size > 1:
-                yield seg[:-1]
+            if first.size:
+                yield _Walked(first, depth, fid, how, ids, base, distinct.start, scanner)
         self._scanned[tid] = scanner.finish(np.zeros(0, np.int32))
-        if held.size:
-            held["blocks"] = scanner.block_count - held["first_block"]
-            yield held
 
     def _call_history(self, tid: int) -> CallHistory:
         modules = self.modules(tid)
@@ -583,10 +592,31 @@ class Trace:
         names = modules.function_names
         counts = np.zeros(len(names), np.int64)
         unnamed: Counter[int] = Counter()
-        for seg in self.call_pieces(tid):
-            counts += _calls_per_function(seg["function"], seg["how"], names)
-            unnamed.update(_unnamed_calls(seg["function"], seg["how"], seg["address"]))
+        stubs = _stubs(names)
+        for walk in self._walk(tid):
+            counts += _calls_per_function(walk.fid, walk.how, stubs)
+            into_unnamed = (walk.how == HOW_CALL) & (walk.fid < 0)
+            unnamed.update(_entered(walk.entries(into_unnamed)))
         return _named_counts(counts, names, modules.symbolize, unnamed)
+
+
+class _Walked(NamedTuple):
+    """The segments the call-history walk began in a piece of a thread's words."""
+
+    first: np.ndarray  #: their first blocks (counted from the thread's first)
+    depth: np.ndarray  #: not rebased: from 0 at the thread's first block
+    fid: np.ndarray
+    how: np.ndarray
+    ids: np.ndarray  #: the piece's blocks ...
+    base: int  #: ... from this one of the thread's on
+    start: np.ndarray  #: each distinct block's start
+    scanner: BlockScanner  #: what scanned the words, up to this piece
+
+    def entries(self, which: np.ndarray | None = None) -> np.ndarray:
+        """The address each segment (of `which`) was entered at: its first block's start
+        (a segment begins at a block of this piece, after the previous piece's last)."""
+        first = self.first if which is None else self.first[which]
+        return self.start[self.ids[first - self.base]]
 
 
 def open(path: str | os.PathLike[str] = "branchtrace.data") -> Trace:
