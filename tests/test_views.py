@@ -21,7 +21,7 @@ from branchtrace.analysis.decode import scan
 from branchtrace.analysis.kernels import HOW_CALL, SIGNAL_DELIVERIES, call_segments
 from branchtrace.analysis.trace import Trace, faults_in
 from branchtrace.cli.views import _json_strings
-from branchtrace.store.tracedir import thread_label
+from branchtrace.store.tracedir import TraceDir, thread_label
 
 BT = [sys.executable, "-m", "branchtrace.cli.main"]
 FORK_NAMES = {"fork", "__fork", "__libc_fork"}
@@ -502,10 +502,10 @@ def test_calls_prints_a_history_read_a_piece_at_a_time_as_one_read_whole(
 
 
 def test_a_view_short_of_memory_says_so_in_one_line(crash_trace, monkeypatch):
-    def too_much(self, tid):
+    def too_much(self, tid, most=None):
         raise MemoryError
 
-    monkeypatch.setattr(Trace, "call_pieces", too_much)
+    monkeypatch.setattr(TraceDir, "word_pieces", too_much)
     res = bt("stats", crash_trace)
     assert res.returncode == 1 and res.stdout == ""
     assert res.stderr.strip().splitlines() == [
