@@ -338,8 +338,9 @@ class Trace:
         self._ends: dict[int, ThreadEnd | None] = {}
         self._faults: dict[int, list[tuple[int, ThreadEnd]]] = {}
         self._calls: dict[int, CallHistory] = {}
-        #: breaks and handler runs of threads call_pieces() read, whose blocks are not kept
+        #: breaks and handler runs of threads _walk() read, whose blocks are not kept
         self._scanned: dict[int, Scan] = {}
+        self._block_counts: dict[int, int] = {}  #: blocks of the threads _walk() read
         self._tails: dict[int, int] = {}  #: threads decoded only at their end: blocks wanted
         self._partial: set[int] = set()  #: threads whose decoded blocks are not all theirs
 
@@ -435,7 +436,7 @@ class Trace:
 
     def _chain(self, tid: int) -> Blocks | Scan:
         """The thread's breaks and handler runs: of its blocks, or of the pass of
-        call_pieces() that read them all when its blocks were not kept."""
+        the call-history walk (_walk) that read them all when its blocks were not kept."""
         if tid in self._scanned and tid not in self._blocks and tid not in self._tails:
             return self._scanned[tid]
         return self.blocks(tid)
@@ -553,12 +554,23 @@ class Trace:
             if first.size:
                 yield _Walked(first, depth, fid, how, ids, base, distinct.start, scanner)
         self._scanned[tid] = scanner.finish(np.zeros(0, np.int32))
+        self._block_counts[tid] = scanner.block_count
 
     def _call_history(self, tid: int) -> CallHistory:
         modules = self.modules(tid)
-        seg = np.concatenate([np.zeros(0, CALL_DTYPE), *self.call_pieces(tid)])
-        lowest = int(seg["depth"].min()) if seg.size else 0
-        seg["depth"] -= lowest
+        columns: list[tuple[np.ndarray, ...]] = []
+        for walk in self._walk(tid):  # the walker's arrays are its own: copied
+            columns.append((walk.first, walk.depth.copy(), walk.fid.copy(), walk.how.copy()))
+            columns[-1] += (walk.entries(),)
+        parts = list(zip(*columns, strict=True)) or [[np.zeros(0, np.int64)]] * 5
+        first, depth, fid, how, address = (np.concatenate(p) for p in parts)
+        seg = np.zeros(first.size, CALL_DTYPE)
+        lowest = int(depth.min()) if depth.size else 0
+        seg["depth"] = depth - lowest
+        seg["function"], seg["how"], seg["first_block"], seg["address"] = fid, how, first, address
+        chain = self._scanned[tid]
+        seg["blocks"] = np.diff(first, append=self._block_counts[tid])
+        _enter_blockless(seg, chain.break_at, chain.break_detail)
         return CallHistory(
             tid,
             seg,
