@@ -558,16 +558,26 @@ class Trace:
 
     def _call_history(self, tid: int) -> CallHistory:
         modules = self.modules(tid)
-        columns: list[tuple[np.ndarray, ...]] = []
-        for walk in self._walk(tid):  # the walker's arrays are its own: copied
-            columns.append((walk.first, walk.depth.copy(), walk.fid.copy(), walk.how.copy()))
-            columns[-1] += (walk.entries(),)
-        parts = list(zip(*columns, strict=True)) or [[np.zeros(0, np.int64)]] * 5
-        first, depth, fid, how, address = (np.concatenate(p) for p in parts)
-        seg = np.zeros(first.size, CALL_DTYPE)
-        lowest = int(depth.min()) if depth.size else 0
-        seg["depth"] = depth - lowest
-        seg["function"], seg["how"], seg["first_block"], seg["address"] = fid, how, first, address
+        # one array of rows, written piece after piece and grown by doubling: fresh pages
+        # cost a fault each on a VM, and joining the pieces' columns at the end wrote all
+        # the rows twice more (66.7M segments: 12.5-15.8 s so, 10.0-12.8 s now, 9.9-10.6 s
+        # at f52c86d, which kept every block)
+        seg = np.empty(1 << 16, CALL_DTYPE)
+        n = 0
+        for walk in self._walk(tid):
+            end = n + walk.first.size
+            if end > seg.size:
+                grown = np.empty(max(2 * seg.size, end), CALL_DTYPE)
+                grown[:n] = seg[:n]
+                seg = grown
+            rows = seg[n:end]
+            rows["depth"], rows["function"], rows["how"] = walk.depth, walk.fid, walk.how
+            rows["first_block"], rows["address"] = walk.first, walk.entries()
+            n = end
+        seg = seg[:n]
+        lowest = int(seg["depth"].min()) if n else 0
+        seg["depth"] -= lowest
+        first = seg["first_block"]
         chain = self._scanned[tid]
         seg["blocks"] = np.diff(first, append=self._block_counts[tid])
         _enter_blockless(seg, chain.break_at, chain.break_detail)
