@@ -348,7 +348,9 @@ def _thread_calls(
         lowest = min(lowest, int(seg["depth"].min()))
         total += seg.size
         if kept is not None:
-            kept = [*kept, seg] if total <= _KEPT_SEGMENTS else None
+            kept.append(seg)
+            if total > _KEPT_SEGMENTS:
+                kept = None
     shown = sum(n for d, n in depths.items() if max_depth is None or d - lowest <= max_depth)
     marks = trace.marks(t)
     end = trace.end(t)
@@ -371,7 +373,6 @@ def _thread_calls(
         breaks = _breaks_among(
             marks[(marks["block"] > after) & (marks["block"] <= first[-1])], first, 0
         )
-        breaks = {k: v for k, v in breaks.items() if k < seg.size}
         chosen = seg[rows]
         chosen["depth"] -= lowest
         labels = _labels(names, modules, chosen)
