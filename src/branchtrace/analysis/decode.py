@@ -162,7 +162,7 @@ class DistinctBlocks:
     def __init__(self, modules: ModuleMap) -> None:
         self.modules = modules
         self.count = 0
-        self._columns = {
+        self._columns: dict[str, np.ndarray] = {
             "start": np.zeros(16, np.uint64),
             "last": np.zeros(16, np.uint64),
             "kind": np.zeros(16, np.uint8),
