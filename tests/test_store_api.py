@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from unittest import mock
 
@@ -54,6 +55,7 @@ from branchtrace.store.format import (
 from branchtrace.store.tracedir import (
     GENERATION,
     TraceDir,
+    _read_ahead,
     drain_to_file,
     parse_thread_label,
     thread_id,
@@ -691,3 +693,34 @@ print(sorted(p.name for p in Path({str(tmp_path)!r}).iterdir()))
     refused, listing = out.stdout.splitlines()
     assert refused.startswith("refused: cannot map") and "Too many open files" in refused
     assert listing == "[]"
+
+
+def test_pieces_read_ahead_come_in_order_and_a_readers_error_reaches_the_caller():
+    """word_pieces reads the next piece in a thread while the caller decodes this one:
+    the pieces come in order, an error reading one is raised to the caller after those
+    before it, and a caller that stops early leaves no reader behind."""
+
+    def failing():
+        yield from (np.full(3, i, np.uint64) for i in range(5))
+        raise StoreError("T1.stream: the recording is incomplete")
+
+    got = []
+    with pytest.raises(StoreError, match="incomplete"):
+        for piece in _read_ahead(failing()):
+            got.append(int(piece[0]))
+    assert got == [0, 1, 2, 3, 4]
+
+    closed = []
+
+    def endless():
+        try:
+            while True:
+                yield np.zeros(1, np.uint64)
+        finally:
+            closed.append(True)
+
+    pieces = _read_ahead(endless())
+    next(pieces)
+    pieces.close()
+    assert closed == [True]
+    assert not [t for t in threading.enumerate() if t.name == "branchtrace-read-ahead"]

@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import re
 import shutil
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -422,7 +424,11 @@ class TraceDir:
     def word_pieces(self, tid: int, most: int | None = None) -> Iterator[np.ndarray]:
         """`words(tid)` a piece at a time, oldest first, each whole records with its block
         slots expanded: the memory of a piece (a stream file's, at most `most` words),
-        not of the stream."""
+        not of the stream.  The next piece is read (decompressed, expanded) in a thread
+        of its own while the caller decodes this one: both release the GIL."""
+        return _read_ahead(self._expanded_pieces(tid, most))
+
+    def _expanded_pieces(self, tid: int, most: int | None) -> Iterator[np.ndarray]:
         for piece, ring in self._stored_pieces(tid):
             words = ring.expand(piece) if ring is not None else np.asarray(piece)
             if most is None or words.size <= most:
@@ -480,6 +486,41 @@ class TraceDir:
             if rest.size or not parts:
                 parts.append(rest)
             yield ring, parts, pos
+
+
+def _read_ahead(pieces: Iterator[np.ndarray]) -> Iterator[np.ndarray]:
+    """`pieces`, each read by a thread of its own while the caller has the one before."""
+    ahead: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def read() -> None:
+        try:
+            for piece in pieces:
+                ahead.put(("piece", piece))
+                if stop.is_set():
+                    return
+            ahead.put(("done", None))
+        except BaseException as e:  # handed to the caller, raised there
+            ahead.put(("error", e))
+        finally:
+            pieces.close()  # type: ignore[attr-defined]
+
+    reader = threading.Thread(target=read, name="branchtrace-read-ahead", daemon=True)
+    reader.start()
+    try:
+        while True:
+            what, value = ahead.get()
+            if what == "done":
+                return
+            if what == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        while reader.is_alive():  # unblock a put() the caller will never take
+            with contextlib.suppress(queue.Empty):
+                ahead.get(timeout=0.01)
+        reader.join()
 
 
 def _record_boundary(words: np.ndarray, at: int) -> int:
