@@ -251,7 +251,9 @@ def test_scanning_and_walking_piece_by_piece_agrees_with_the_whole(recs, cuts):
         found = scanner.feed(piece)
         ids.append(found)
         tables = made_up_tables(scanner.distinct)
-        segments.append([a.copy() for a in walker.walk_piece(scanner, found, *tables, func_start)])
+        segments.append(
+            [a.copy() for a in walker.walk_piece(scanner, found, (*tables, func_start))]
+        )
     got = scanner.finish(np.concatenate(ids))
     for name, want in whole._asdict().items():
         assert np.array_equal(getattr(got, name), want), name

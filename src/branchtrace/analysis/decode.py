@@ -174,21 +174,9 @@ class DistinctBlocks:
     def start(self) -> np.ndarray:
         return self._columns["start"][: self.count]
 
-    @property
-    def last(self) -> np.ndarray:
-        return self._columns["last"][: self.count]
-
-    @property
-    def kind(self) -> np.ndarray:
-        return self._columns["kind"][: self.count]
-
-    @property
-    def size(self) -> np.ndarray:
-        return self._columns["size"][: self.count]
-
-    @property
-    def func(self) -> np.ndarray:
-        return self._columns["func"][: self.count]
+    def tables(self) -> tuple[np.ndarray, ...]:
+        """(start, last, kind, size, func), as CallWalker takes them."""
+        return tuple(c[: self.count] for c in self._columns.values())
 
     def update(self, unique: np.ndarray) -> None:
         """Take in the blocks of `unique` (the scanner's, by id) not yet known."""

@@ -670,9 +670,8 @@ def call_segments(
     another signal came at its first instruction: a segment with no block of its own.
     Depths start at 0 for the oldest block and may go negative for a trace that begins
     mid-stack; callers rebase them."""
-    return CallWalker().walk(
-        ids, break_at, break_kind, break_detail, start, last, kind, size, func, func_start
-    )
+    breaks = (break_at, break_kind, break_detail)
+    return CallWalker().walk(ids, breaks, (start, last, kind, size, func, func_start))
 
 
 class CallWalker:
@@ -689,15 +688,7 @@ class CallWalker:
         self.previous = np.zeros(0, np.int32)  #: the last block walked (walk_piece)
 
     def walk_piece(
-        self,
-        scanner: BlockScanner,
-        ids: np.ndarray,
-        start: np.ndarray,
-        last: np.ndarray,
-        kind: np.ndarray,
-        size: np.ndarray,
-        func: np.ndarray,
-        func_start: np.ndarray,
+        self, scanner: BlockScanner, ids: np.ndarray, tables: tuple[np.ndarray, ...]
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """walk() of the blocks `scanner` just found in a piece (`ids`, what its feed()
         returned), with the breaks it found before them; first blocks counted from the
@@ -709,41 +700,32 @@ class CallWalker:
             ids = np.concatenate([self.previous, ids])
         at, why, detail = scanner.breaks_before(origin + ids.size)
         lo = int(np.searchsorted(at, origin + 1))
-        first, depth, fid, how = self.walk(
-            ids, at[lo:] - origin, why[lo:], detail[lo:], start, last, kind, size, func, func_start
-        )
+        first, depth, fid, how = self.walk(ids, (at[lo:] - origin, why[lo:], detail[lo:]), tables)
         self.previous = ids[-1:].copy()
         return first + origin, depth, fid, how
 
     def walk(
         self,
         ids: np.ndarray,
-        break_at: np.ndarray,
-        break_kind: np.ndarray,
-        break_detail: np.ndarray,
-        start: np.ndarray,
-        last: np.ndarray,
-        kind: np.ndarray,
-        size: np.ndarray,
-        func: np.ndarray,
-        func_start: np.ndarray,
+        breaks: tuple[np.ndarray, np.ndarray, np.ndarray],
+        tables: tuple[np.ndarray, ...],
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The segments begun in `ids` as call_segments' columns (first block: an index
-        into `ids`), valid until the next walk.  After the first piece, ids[0] must be the
-        previous piece's last block, and the breaks those before ids[1:] (break_at
-        indexing `ids`)."""
+        """call_segments' columns for the segments begun in `ids` (first block: an index
+        into `ids`), valid until the next walk; `breaks` and `tables` are call_segments'
+        (at, kind, detail) and (start, last, kind, size, func, func_start).  After the
+        first piece, ids[0] must be the previous piece's last block, and the breaks those
+        before ids[1:] (break_at indexing `ids`)."""
         seg, state = self.seg, self.state
         state[0], state[4], state[5] = 0, 0, 0
         if not self.started:
             if ids.size == 0:
                 return seg[0][:0], seg[1][:0], seg[2][:0], seg[3][:0]
-            first = int(func[ids[0]])
+            first = int(tables[4][ids[0]])
             seg[0][0], seg[1][0], seg[2][0], seg[3][0] = 0, 0, first, HOW_START
             state[3], state[4] = first, 1
             self.started = True
-        args = (ids, break_at, break_kind, break_detail, start, last, kind, size, func, func_start)
         while True:
-            why = _calls_part(*args, state, self.ret, self.caller, *seg)
+            why = _calls_part(ids, *breaks, *tables, state, self.ret, self.caller, *seg)  # type: ignore[call-arg]
             if why == _DONE:
                 break
             if why == _FULL_OUTPUT:

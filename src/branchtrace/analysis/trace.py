@@ -541,16 +541,8 @@ class Trace:
             base = scanner.block_count
             ids = scanner.feed(piece)
             distinct.update(scanner.distinct)
-            first, depth, fid, how = walker.walk_piece(
-                scanner,
-                ids,
-                distinct.start,
-                distinct.last,
-                distinct.kind,
-                distinct.size,
-                distinct.func,
-                modules.function_starts,
-            )
+            tables = (*distinct.tables(), modules.function_starts)
+            first, depth, fid, how = walker.walk_piece(scanner, ids, tables)
             if first.size:
                 yield _Walked(first, depth, fid, how, ids, base, distinct.start, scanner)
         self._scanned[tid] = scanner.finish(np.zeros(0, np.int32))
